@@ -1,0 +1,421 @@
+"""
+A GPT-2-shaped pre-norm transformer whose normalization layers can taper away.
+
+TaperNorm (SPEC §1) mixes a normalizing branch and a sample-independent linear branch
+with one global gate g ∈ [0, 1]:
+
+    TaperNorm(h; g) = g · (h / r(h)) ⊙ γ  +  (1 − g) · c · h ⊙ γ̃,     r(h) = sqrt(mean_i h_i² + ε)
+
+Training moves g from 1 to 0 (train.py holds the schedule); at g = 0 every tapered layer is
+the fixed map h ↦ c·h⊙γ̃, which fold.py merges into the next linear layer.
+
+Everything the method adds lives here, each in one place:
+- `TaperNorm`                   the layer, RMS and LayerNorm kinds          (SPEC §1)
+- `GPT.calibration_step`        per-step EMA of the calibration statistics   (SPEC §3)
+- `GPT.calibrate`               the calibrate event: c, s_tgt, γ̃ ← γ          (SPEC §2–§4)
+- `aux_loss`                    the scale-anchor loss L_aux on h before ln_f  (SPEC §4)
+
+Module names follow GPT-2 (transformer.wte/wpe/h.N.ln_1/attn.c_attn/...), so GPT-2 weights
+load into this class unchanged.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+NORMS = ('rmsnorm', 'layernorm')
+TAPERS = ('none', 'internal', 'all')
+PHASES = ('warmup', 'taper', 'linear')  # 'baseline' is the phase of a model with taper='none'
+CALIB_DECAY = 0.99  # ρ: EMA decay per optimizer step of the calibration statistics (SPEC §3)
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 512       # context length T
+    vocab_size: int = 10000     # from the dataset's meta.json (compact GPT-2 vocabulary)
+    n_layer: int = 8
+    n_head: int = 4
+    n_embd: int = 256
+    dropout: float = 0.0
+    bias: bool = True           # biases in Linear layers and LayerNorm β (GPT-2 style)
+    norm: str = 'rmsnorm'       # 'rmsnorm' | 'layernorm' (TaperLN, for GPT-2)
+    taper: str = 'none'         # 'none' (baseline) | 'internal' (ln_1, ln_2) | 'all' (+ ln_f)
+    aux_weight: float = 0.0     # λ of L_aux (SPEC §4); 0 disables it
+    norm_eps: float = 1e-5      # ε, passed explicitly to every norm
+
+    def __post_init__(self):
+        if self.norm not in NORMS:
+            raise ValueError(f"norm={self.norm!r}: choose one of {NORMS}")
+        if self.taper not in TAPERS:
+            raise ValueError(f"taper={self.taper!r}: choose one of {TAPERS}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.aux_weight < 0:
+            raise ValueError(f"aux_weight={self.aux_weight} must be >= 0")
+        if self.aux_weight > 0 and self.taper == 'none':
+            raise ValueError("aux_weight > 0 needs taper='internal' or 'all': the baseline's "
+                             "final norm already anchors the scale; set aux_weight=0")
+
+
+@dataclass
+class ForwardMetrics:
+    """Detached scalars from the last forward with targets, kept in `GPT.last_metrics`.
+
+    ce:              cross-entropy, nats/token
+    aux:             L_aux with λ included (0 when inactive)
+    hidden_rms:      mean over tokens of s(h), h the residual stream before the final norm
+    logit_rms:       sqrt(mean z²) over all positions and vocabulary entries, fp32
+    final_scale_rms: RMS of c·γ̃ of the final norm, or None when the final norm does not taper
+    """
+    ce: torch.Tensor
+    aux: torch.Tensor
+    hidden_rms: torch.Tensor
+    logit_rms: torch.Tensor
+    final_scale_rms: Optional[torch.Tensor]
+
+
+def norm_input(h, kind):
+    """The vector a norm of this kind scales: h (RMS kind) or P h = h − mean(h) (LN kind)."""
+    return h - h.mean(-1, keepdim=True) if kind == 'layernorm' else h
+
+
+def norm_scale(h, kind, eps):
+    """r(h) = sqrt(mean_i h_i² + ε) (RMS kind) or σ(h), the same of P h (LN kind).
+
+    h: (..., d) -> (..., 1). This is also s(h), the scale L_aux anchors (SPEC §4).
+    """
+    x = norm_input(h, kind)
+    return torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def aux_loss(h, s_tgt, aux_weight, kind, eps):
+    """L_aux = λ · mean_tokens (s(h) − s_tgt)², the explicit scale anchor (SPEC §4).
+
+    h: (B, T, d) residual stream before the final norm; s_tgt: 0-dim tensor; returns a 0-dim
+    fp32 tensor. Its gradient with respect to each token's h is radial (along h, or P h for
+    the LN kind), so it fixes the scale of h without steering its direction.
+    """
+    return aux_weight * (norm_scale(h.float(), kind, eps) - s_tgt).pow(2).mean()
+
+
+class Norm(nn.Module):
+    """A plain pre-norm, RMSNorm or LayerNorm, through torch's fused ops.
+
+    The baseline uses it everywhere and Internal-Taper keeps it as the final norm, so every
+    speed comparison is against a fused norm. h: (..., d) -> (..., d).
+    """
+
+    def __init__(self, d, kind, bias, eps):
+        super().__init__()
+        self.kind, self.eps = kind, eps
+        self.weight = nn.Parameter(torch.ones(d))                                       # γ
+        self.bias = nn.Parameter(torch.zeros(d)) if kind == 'layernorm' and bias else None  # β
+
+    def normalize(self, h):
+        if self.kind == 'rmsnorm':
+            return F.rms_norm(h, (h.size(-1),), self.weight, self.eps)
+        return F.layer_norm(h, (h.size(-1),), self.weight, self.bias, self.eps)
+
+    def forward(self, h, gate=None):
+        return self.normalize(h)
+
+
+class TaperNorm(Norm):
+    """TaperNorm(h; g) = g · N(h) + (1 − g) · L(h)   (SPEC §1).
+
+    N(h) = (h / r(h)) ⊙ γ                   (RMS kind; LN kind: LayerNorm with γ, β)
+    L(h) = c · h ⊙ γ̃                         (RMS kind; LN kind: c · (P h) ⊙ γ̃ + β̃)
+
+    `phase` is a plain Python attribute that selects the code path: 'warmup' runs N only
+    (and, in train mode, accumulates the calibration statistics), 'taper' mixes both with the
+    gate tensor, 'linear' runs L only and never computes r(h). The gate is a tensor so that
+    changing it every step does not recompile a compiled model; the phase changes twice a run.
+
+    Buffers: c (scalar, set by calibration, never trained), calib_num / calib_den (EMAs of
+    N_i = E[x_i²/r] and D_i = E[x_i²], fp32, (d,)), and this step's sums of micro-batch means.
+    h: (..., d) -> (..., d); gate: 0-dim tensor.
+    """
+
+    def __init__(self, d, kind, bias, eps):
+        super().__init__(d, kind, bias, eps)
+        self.weight_tilde = nn.Parameter(torch.ones(d))                                   # γ̃
+        self.bias_tilde = nn.Parameter(torch.zeros(d)) if self.bias is not None else None  # β̃
+        self.register_buffer('c', torch.ones(()))
+        self.register_buffer('calib_num', torch.zeros(d))
+        self.register_buffer('calib_den', torch.zeros(d))
+        self.register_buffer('step_num', torch.zeros(d), persistent=False)
+        self.register_buffer('step_den', torch.zeros(d), persistent=False)
+        self.phase = 'warmup'
+
+    def linear(self, h):
+        # c·γ̃ is a d-vector: one multiply on the (B, T, d) tensor, the op folding removes
+        y = norm_input(h, self.kind) * (self.c * self.weight_tilde)
+        return y if self.bias_tilde is None else y + self.bias_tilde
+
+    @torch.no_grad()
+    def accumulate(self, h):
+        """Add this micro-batch's token means of x_i²/r(h) and x_i² (x = h or P h), in fp32."""
+        x = norm_input(h.float(), self.kind).flatten(0, -2)  # (tokens, d)
+        x2 = x.pow(2)
+        self.step_num += (x2 / norm_scale(x, 'rmsnorm', self.eps)).mean(0)  # x is centred already
+        self.step_den += x2.mean(0)
+
+    def forward(self, h, gate):
+        if self.phase == 'warmup':
+            if self.training:
+                self.accumulate(h)
+            return self.normalize(h)
+        if self.phase == 'linear':
+            return self.linear(h)
+        return gate * self.normalize(h) + (1 - gate) * self.linear(h)
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.dropout = config.n_head, config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+
+    def __init__(self, config, make_norm):
+        super().__init__()
+        self.ln_1 = make_norm()
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = make_norm()
+        self.mlp = MLP(config)
+
+    def forward(self, x, gate):
+        x = x + self.attn(self.ln_1(x, gate))
+        x = x + self.mlp(self.ln_2(x, gate))
+        return x
+
+
+class GPT(nn.Module):
+    """Pre-norm GPT with tied token embedding / LM head and optional TaperNorm layers.
+
+    taper='internal' tapers ln_1 and ln_2 of every block; 'all' tapers ln_f too (SPEC §4).
+    The model owns the one global gate g (buffer `gate`), the scale target s_tgt and its EMA.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        kind, eps = config.norm, config.norm_eps
+
+        def make_norm(final=False):
+            tapered = config.taper == 'all' or (config.taper == 'internal' and not final)
+            return (TaperNorm if tapered else Norm)(config.n_embd, kind, config.bias, eps)
+
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config, make_norm) for _ in range(config.n_layer)]),
+            ln_f=make_norm(final=True),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied; fold.py unties for All-Taper
+
+        self.register_buffer('gate', torch.ones(()))  # g, used only in the taper phase
+        if config.taper != 'none':
+            self.register_buffer('calibrated', torch.zeros((), dtype=torch.bool))
+            self.register_buffer('calib_steps', torch.zeros((), dtype=torch.long))
+            self.register_buffer('hidden_rms_ema', torch.zeros(()))  # EMA of mean s(h)
+            self.register_buffer('s_tgt', torch.zeros(()))
+            self.register_buffer('step_hidden_rms', torch.zeros(()), persistent=False)
+            self.register_buffer('step_micro', torch.zeros(()), persistent=False)
+        self.phase = 'baseline' if config.taper == 'none' else 'warmup'
+        self.last_metrics = None
+
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith('c_proj.weight'):  # GPT-2: scale residual projections by 1/sqrt(2L)
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self):
+        """Parameters of the tied model, γ̃ and β̃ excluded (they replace γ, β at inference)."""
+        return sum(p.numel() for n, p in self.named_parameters() if '_tilde' not in n)
+
+    def tapernorms(self):
+        """(name, TaperNorm) pairs, e.g. ('h.0.ln_1', ...), in forward order."""
+        return [(n.removeprefix('transformer.'), m) for n, m in self.named_modules()
+                if isinstance(m, TaperNorm)]
+
+    # ---- schedule -----------------------------------------------------------------------
+
+    def set_phase(self, phase):
+        """Select the code path of every TaperNorm (SPEC §1) and which gains train.
+
+        γ, β of tapered layers are unused in 'linear', γ̃, β̃ unused in 'warmup': they get
+        requires_grad=False so DDP (which needs every trainable parameter used) does not fail.
+        Raises ValueError for a phase this model cannot be in.
+        """
+        allowed = ('baseline',) if self.config.taper == 'none' else PHASES
+        if phase not in allowed:
+            raise ValueError(f"phase={phase!r} is not one of {allowed} for taper={self.config.taper!r}")
+        if phase != 'warmup' and self.config.taper != 'none' and not self.calibrated:
+            raise RuntimeError(f"phase {phase!r} needs a calibrated model: call calibrate() "
+                               "at the end of the gate warmup")
+        self.phase = phase
+        for _, m in self.tapernorms():
+            m.phase = phase
+            for p in (m.weight, m.bias):
+                if p is not None:
+                    p.requires_grad_(phase != 'linear')
+            for p in (m.weight_tilde, m.bias_tilde):
+                if p is not None:
+                    p.requires_grad_(phase != 'warmup')
+
+    @torch.no_grad()
+    def set_gate(self, g):
+        """Set the global gate g in place (a Python float; the buffer keeps its identity)."""
+        self.gate.fill_(g)
+
+    # ---- calibration (SPEC §3, §4) ------------------------------------------------------
+
+    @torch.no_grad()
+    def calibration_step(self):
+        """Fold this optimizer step's statistics into the EMAs (ρ = CALIB_DECAY).
+
+        Call once after every optimizer step of the gate warmup. The step's statistics are the
+        mean over its micro-batches and, under torch.distributed, all-reduced over ranks, so
+        every rank holds the same EMAs and will compute the same c.
+        Raises RuntimeError if no training forward ran since the last call.
+        """
+        norms = [m for _, m in self.tapernorms()]
+        sums = [t for m in norms for t in (m.step_num, m.step_den)] + [self.step_hidden_rms, self.step_micro]
+        emas = [t for m in norms for t in (m.calib_num, m.calib_den)] + [self.hidden_rms_ema]
+        stats = torch.cat([t.view(-1) for t in sums])  # one all-reduce for everything
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(stats)
+        n_micro = stats[-1].item()
+        if n_micro == 0:
+            raise RuntimeError("calibration_step() without a training forward in the warmup phase")
+        for ema, total in zip(emas, stats[:-1].split([e.numel() for e in emas])):
+            ema.mul_(CALIB_DECAY).add_(total.view_as(ema) / n_micro, alpha=1 - CALIB_DECAY)
+        self.calib_steps += 1
+        for t in sums:
+            t.zero_()
+
+    @torch.no_grad()
+    def calibrate(self):
+        """The calibrate event (SPEC §2): freeze c per layer and s_tgt, set γ̃ ← γ, β̃ ← β.
+
+        c = Σ_i γ_i² N_i / Σ_i γ_i² D_i with the γ being copied (SPEC §3); the EMAs' bias
+        correction cancels in that ratio. s_tgt is the bias-corrected EMA of mean s(h).
+        Returns {'c': {layer name: float}, 's_tgt': float}.
+        Raises RuntimeError if already calibrated or no calibration step has run.
+        """
+        if self.config.taper == 'none':
+            raise RuntimeError("calibrate() on a baseline model (taper='none')")
+        if self.calibrated:
+            raise RuntimeError("the model is already calibrated; the calibrate event runs once")
+        steps = int(self.calib_steps)
+        if steps == 0:
+            raise RuntimeError("calibrate() before any calibration_step(): run the gate warmup first")
+        cs = {}
+        for name, m in self.tapernorms():
+            g2 = m.weight.float().pow(2)
+            m.c.fill_((g2 * m.calib_num).sum() / (g2 * m.calib_den).sum())
+            m.weight_tilde.copy_(m.weight)
+            if m.bias is not None:
+                m.bias_tilde.copy_(m.bias)
+            cs[name] = m.c.item()
+        self.s_tgt.copy_(self.hidden_rms_ema / (1 - CALIB_DECAY ** steps))
+        self.calibrated.fill_(True)
+        return {'c': cs, 's_tgt': self.s_tgt.item()}
+
+    # ---- forward ------------------------------------------------------------------------
+
+    def forward(self, idx, targets=None):
+        """idx: (B, T) token ids, T <= block_size; targets: (B, T) ids or None (-1 = ignore).
+
+        With targets: returns (logits (B, T, V), loss) where loss = cross-entropy + L_aux, and
+        stores the detached parts in `self.last_metrics` (a ForwardMetrics).
+        Without: returns (logits of the last position (B, 1, V), None).
+        L_aux = λ · mean_tokens (s(h) − s_tgt)² on the residual stream h before the final norm
+        (SPEC §4), active in the taper and linear phases when λ > 0.
+        """
+        B, T = idx.size()
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x, self.gate)
+
+        tapering = self.config.taper != 'none'
+        if tapering and self.phase == 'warmup' and self.training:
+            with torch.no_grad():  # s_tgt's statistic, once per micro-batch
+                self.step_hidden_rms += norm_scale(x.float(), self.config.norm, self.config.norm_eps).mean()
+                self.step_micro += 1
+        aux_on = tapering and self.config.aux_weight > 0 and self.phase in ('taper', 'linear')
+        aux = (aux_loss(x, self.s_tgt, self.config.aux_weight, self.config.norm, self.config.norm_eps)
+               if aux_on else None)
+        with torch.no_grad():
+            hidden_rms = norm_scale(x.float(), self.config.norm, self.config.norm_eps).mean()
+
+        x = self.transformer.ln_f(x, self.gate)
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None  # only the last position: generation
+
+        logits = self.lm_head(x)  # (B, T, V)
+        ce = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        if aux is None:
+            aux = torch.zeros_like(ce)
+        ln_f = self.transformer.ln_f
+        self.last_metrics = ForwardMetrics(
+            ce=ce.detach(), aux=aux.detach(), hidden_rms=hidden_rms,
+            logit_rms=logits.detach().float().pow(2).mean().sqrt(),
+            final_scale_rms=((ln_f.c * ln_f.weight_tilde).detach().float().pow(2).mean().sqrt()
+                             if isinstance(ln_f, TaperNorm) else None))
+        return logits, ce + aux
+
+    # ---- training helpers ---------------------------------------------------------------
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW; matrices and embeddings decay, gains and biases (γ, β, γ̃, β̃) do not."""
+        params = [p for p in self.parameters()]  # all, including those frozen in this phase
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [{'params': decay, 'weight_decay': weight_decay},
+                  {'params': no_decay, 'weight_decay': 0.0}]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
