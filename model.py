@@ -254,8 +254,8 @@ class GPT(nn.Module):
             self.register_buffer('s_tgt', torch.zeros(()))
             self.register_buffer('step_hidden_rms', torch.zeros(()), persistent=False)
             self.register_buffer('step_micro', torch.zeros(()), persistent=False)
-        self.phase = 'baseline' if config.taper == 'none' else 'warmup'
         self.last_metrics = None
+        self.set_phase('baseline' if config.taper == 'none' else 'warmup')
 
         self.apply(self._init_weights)
         for name, p in self.named_parameters():

@@ -1,0 +1,35 @@
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# tiktoken offline: the shared cache beside the repository, when there is one
+_cache = ROOT.parent / 'shared' / 'tiktoken_cache'
+if _cache.is_dir():
+    os.environ.setdefault('TIKTOKEN_CACHE_DIR', str(_cache))
+
+
+@pytest.fixture
+def toy_data(tmp_path):
+    """A data_dir holding dataset 'toy': random uint16 streams over a 64-token vocabulary.
+
+    Training mechanics (schedule, resume, DDP) need token streams, not language.
+    Returns the data_dir path.
+    """
+    folder = tmp_path / 'data' / 'toy'
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    # a repeating pattern with noise, so the loss actually falls
+    base = np.tile(np.arange(64, dtype=np.uint16), 200)
+    noise = rng.integers(0, 64, size=base.size).astype(np.uint16)
+    stream = np.where(rng.random(base.size) < 0.2, noise, base)
+    stream[: 10_000].tofile(folder / 'train.bin')
+    stream[10_000:].tofile(folder / 'val.bin')
+    (folder / 'meta.json').write_text(json.dumps({'vocab_size': 64, 'tokenizer': 'toy'}))
+    return tmp_path / 'data'

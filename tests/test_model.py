@@ -1,0 +1,264 @@
+"""TaperNorm, calibration, L_aux and the compiled model (SPEC §1, §3, §4)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.testing import assert_close
+
+import train
+from model import CALIB_DECAY, GPT, GPTConfig, Norm, TaperNorm, aux_loss, norm_scale
+
+KINDS = ['rmsnorm', 'layernorm']
+
+
+def tiny(kind='rmsnorm', taper='all', bias=True, **kw):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32,
+                         norm=kind, taper=taper, bias=bias, **kw))
+
+
+def randomize_gains(model, spread=1.0):
+    """Gains far from 1, so that skipping γ̃ ← γ (or using the wrong γ) is visible."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, Norm):
+                m.weight.copy_(torch.exp(spread * torch.randn_like(m.weight)))
+                if m.bias is not None:
+                    m.bias.copy_(0.1 * torch.randn_like(m.bias))
+
+
+def tapernorm(kind, d=16):
+    torch.manual_seed(1)
+    m = TaperNorm(d, kind, bias=True, eps=1e-5)
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(d))
+        m.weight_tilde.copy_(torch.randn(d))
+        if m.bias is not None:
+            m.bias.copy_(torch.randn(d))
+            m.bias_tilde.copy_(torch.randn(d))
+        m.c.fill_(0.37)
+    return m
+
+
+def linear_map(m, h):
+    """c·h⊙γ̃ (RMS) or c·(P h)⊙γ̃ + β̃ (LN), written out from SPEC §1."""
+    x = h - h.mean(-1, keepdim=True) if m.kind == 'layernorm' else h
+    y = m.c * x * m.weight_tilde
+    return y + m.bias_tilde if m.bias_tilde is not None else y
+
+
+def reference_norm(m, h):
+    if m.kind == 'rmsnorm':
+        return F.rms_norm(h, (h.size(-1),), m.weight, eps=1e-5)
+    return F.layer_norm(h, (h.size(-1),), m.weight, m.bias, eps=1e-5)
+
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_gate_one_is_the_fused_norm(kind):
+    m, h = tapernorm(kind), 3 * torch.randn(4, 7, 16)
+    ref = reference_norm(m, h)
+    m.phase = 'warmup'
+    assert_close(m(h, torch.tensor(1.0)), ref, rtol=0, atol=0)
+    m.phase = 'taper'
+    assert_close(m(h, torch.tensor(1.0)), ref, rtol=0, atol=0)
+
+
+class RecordCalls(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, '__name__', str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_gate_zero_is_the_linear_map_without_r(kind):
+    m, h = tapernorm(kind), 3 * torch.randn(4, 7, 16)
+    m.phase = 'linear'
+    with RecordCalls() as rec:
+        out = m(h, torch.tensor(0.0))
+    assert_close(out, linear_map(m, h))
+    assert not {'rms_norm', 'layer_norm', 'sqrt', 'rsqrt', 'var', 'std'} & set(rec.names), rec.names
+    m.phase = 'taper'  # the mixed path at g = 0 agrees
+    assert_close(m(h, torch.tensor(0.0)), out)
+
+
+@pytest.mark.parametrize('kind', KINDS)
+@pytest.mark.parametrize('g', [0.1, 0.5, 0.9])
+def test_taper_is_the_convex_combination(kind, g):
+    m, h = tapernorm(kind), 3 * torch.randn(4, 7, 16)
+    m.phase = 'taper'
+    expected = g * reference_norm(m, h) + (1 - g) * linear_map(m, h)
+    assert_close(m(h, torch.tensor(g)), expected)
+
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_calibration_on_a_fixed_batch_is_the_closed_form(kind):
+    """Feeding one batch repeatedly: the EMAs' bias correction cancels, c and s_tgt are exact."""
+    model = tiny(kind, taper='all')
+    randomize_gains(model)
+    inputs = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: inputs.__setitem__(n, args[0].detach()))
+             for n, m in model.tapernorms()]
+    x = torch.randint(0, 64, (4, 16))
+    model.train()
+    for _ in range(5):
+        model(x, x)
+        model.calibration_step()
+    for h in hooks:
+        h.remove()
+    randomize_gains(model)  # γ moves during warmup: c must use the γ being copied, not an old one
+    gammas = {n: m.weight.detach().clone() for n, m in model.tapernorms()}
+    event = model.calibrate()
+    for name, m in model.tapernorms():
+        h = inputs[name].reshape(-1, 32).double()
+        hg = (h - h.mean(-1, keepdim=True) if kind == 'layernorm' else h) * gammas[name].double()
+        r = norm_scale(h, kind, 1e-5).squeeze(-1)
+        c_star = (hg.pow(2).sum(-1) / r).mean() / hg.pow(2).sum(-1).mean()  # SPEC §3
+        assert event['c'][name] == pytest.approx(c_star.item(), rel=1e-5)
+        assert_close(m.weight_tilde, m.weight, rtol=0, atol=0)
+        if m.bias is not None:
+            assert_close(m.bias_tilde, m.bias, rtol=0, atol=0)
+    s = norm_scale(inputs['ln_f'].double(), kind, 1e-5).mean()
+    assert event['s_tgt'] == pytest.approx(s.item(), rel=1e-5)
+    assert int(model.calib_steps) == 5 and bool(model.calibrated)
+    with pytest.raises(RuntimeError, match='already calibrated'):
+        model.calibrate()
+
+
+def test_calibration_statistics_average_micro_batches_and_decay_per_step():
+    model = tiny(taper='internal')
+    x1, x2 = torch.randint(0, 64, (2, 4, 16))
+    ln = model.transformer.h[0].ln_1
+    den = []
+    for x in (x1, x2):  # each batch alone, one step from zero: D = (1 − ρ) · mean
+        m = tiny(taper='internal')
+        m.train()
+        m(x, x)
+        m.calibration_step()
+        den.append(m.transformer.h[0].ln_1.calib_den / (1 - CALIB_DECAY))
+    model.train()
+    model(x1, x1)
+    model(x2, x2)  # two micro-batches, one optimizer step
+    model.calibration_step()
+    assert_close(ln.calib_den / (1 - CALIB_DECAY), (den[0] + den[1]) / 2)
+    model.eval()
+    model(x1, x1)  # evaluation never touches the statistics
+    with pytest.raises(RuntimeError, match='without a training forward'):
+        model.calibration_step()
+
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_aux_loss_is_zero_on_target_and_its_gradient_is_radial(kind):
+    torch.manual_seed(0)
+    h = torch.randn(3, 5, 32, dtype=torch.float64)
+    target = 2.5
+    h_on = h * (target / norm_scale(h, kind, 0.0))  # every token exactly at s(h) = s_tgt
+    assert aux_loss(h_on, torch.tensor(target), 0.1, kind, 0.0).item() == pytest.approx(0.0, abs=1e-9)
+    off = aux_loss(1.2 * h_on, torch.tensor(target), 0.1, kind, 0.0).item()
+    assert off == pytest.approx(0.1 * (0.2 * target) ** 2, rel=1e-5)  # λ (s − s_tgt)²
+    h = h.requires_grad_()
+    aux_loss(h, torch.tensor(target), 0.1, kind, 1e-5).backward()
+    x = h - h.mean(-1, keepdim=True) if kind == 'layernorm' else h
+    cos = F.cosine_similarity(h.grad, x.detach(), dim=-1).abs()
+    assert_close(cos, torch.ones_like(cos))
+
+
+@pytest.mark.parametrize('kind', KINDS)
+@pytest.mark.parametrize('taper', ['internal', 'all'])
+def test_calibrated_taper_start_moves_logits_at_most_proportionally(kind, taper):
+    """At the first taper steps ‖z(g) − z(1)‖ ≤ 0.35 (1 − g) ‖z(1)‖; without γ̃ ← γ it is not."""
+    model = tiny(kind, taper=taper)
+    randomize_gains(model, spread=1.0)
+    x = torch.randint(0, 64, (8, 16))
+    model.train()
+    for _ in range(3):
+        model(x, x)
+        model.calibration_step()
+    model.calibrate()
+    model.eval()
+    model.set_phase('taper')
+
+    def ratios():
+        model.set_gate(1.0)
+        z1 = model(x, x)[0]
+        out = []
+        for it in range(11, 16):  # W = 10, T = 100
+            g = train.get_gate(it, taper, 10, 100)
+            model.set_gate(g)
+            out.append(((model(x, x)[0] - z1).norm() / ((1 - g) * z1.norm())).item())
+        return out
+
+    calibrated = ratios()
+    assert max(calibrated) <= 0.35, calibrated
+    assert max(calibrated) == pytest.approx(min(calibrated), rel=0.05)  # proportional to 1 − g
+    with torch.no_grad():
+        for _, m in model.tapernorms():
+            m.weight_tilde.fill_(1.0)  # as if γ̃ had not been set to γ
+    assert min(ratios()) > 0.35
+
+
+def test_phase_paths_and_trainable_gains():
+    model = tiny(taper='internal')
+    ln = model.transformer.h[0].ln_1
+    assert not ln.weight_tilde.requires_grad and ln.weight.requires_grad  # warmup
+    with pytest.raises(RuntimeError, match='calibrated'):
+        model.set_phase('taper')
+    model.train()
+    model(*(torch.randint(0, 64, (2, 2, 16))))
+    model.calibration_step()
+    model.calibrate()
+    model.set_phase('linear')
+    assert ln.weight_tilde.requires_grad and not ln.weight.requires_grad
+    assert model.transformer.ln_f.weight.requires_grad  # Internal-Taper keeps a real final norm
+    with pytest.raises(ValueError, match='phase'):
+        model.set_phase('baseline')
+
+
+def test_the_ladder_parameter_counts():
+    """SPEC §6: 8 layers, 10k vocabulary, context 512, tied, GPT-2 biases."""
+    for n_embd, n_head, millions in [(64, 2, 1.07), (128, 4, 2.93), (256, 4, 9.01), (512, 8, 30.6)]:
+        m = GPT(GPTConfig(block_size=512, vocab_size=10000, n_layer=8, n_head=n_head, n_embd=n_embd))
+        assert round(m.num_params() / 1e6, 2 if millions < 10 else 1) == millions
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match='taper'):
+        GPTConfig(taper='final')
+    with pytest.raises(ValueError, match='aux_weight'):
+        GPTConfig(taper='none', aux_weight=0.1)
+    with pytest.raises(ValueError, match='block_size'):
+        tiny()(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_compiled_model_recompiles_only_at_phase_boundaries():
+    """The gate changes every taper step without recompiling; each phase compiles once."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    model = tiny(taper='all', aux_weight=0.1)
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 64, (2, 16))
+    frames = []
+    for it in range(12):  # W = 3, T = 6
+        phase = train.get_phase(it, 'all', 3, 6)
+        if phase != model.phase:
+            model.set_phase(phase)
+        model.set_gate(train.get_gate(it, 'all', 3, 6))
+        _, loss = compiled(x, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if phase == 'warmup':
+            model.calibration_step()
+        if it == 2:
+            model.calibrate()
+        frames.append(counter.frame_count)
+    # warmup 0-2, taper 3-8, linear 9-11: one compile at the start of each phase
+    assert frames == [1] * 3 + [2] * 6 + [3] * 3
+    torch._dynamo.reset()
