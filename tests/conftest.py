@@ -5,9 +5,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+# the tests' models are tiny: one thread is faster, and immune to a busy second core
+torch.set_num_threads(1)
 
 # tiktoken offline: the shared cache beside the repository, when there is one
 _cache = ROOT.parent / 'shared' / 'tiktoken_cache'

@@ -1,0 +1,28 @@
+"""DDP through torchrun: 2 CPU processes with gloo, warmup → calibrate → taper → linear."""
+
+import json
+import os
+import subprocess
+import sys
+
+from test_train import read_log, toy_args
+
+
+def test_two_process_gloo_run_agrees_on_c(toy_data, tmp_path):
+    out = tmp_path / 'ddp'
+    worker = os.path.join(os.path.dirname(__file__), 'ddp_worker.py')
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', worker,
+           *toy_args(toy_data, out, backend='gloo', max_iters=12, gate_warmup_iters=3, taper_iters=5)]
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((out / f'rank{r}.json').read_text()) for r in (0, 1)]
+    assert ranks[0]['phase'] == ranks[1]['phase'] == 'linear'
+    assert ranks[0]['c'] == ranks[1]['c'] and ranks[0]['s_tgt'] == ranks[1]['s_tgt']
+    assert ranks[0]['lm_head_sum'] == ranks[1]['lm_head_sum']  # the replicas stayed in sync
+    log = read_log(out)
+    assert {r['phase'] for r in log if 'loss' in r} == {'warmup', 'taper', 'linear'}
+    calib = [r for r in log if r.get('event') == 'calibrate']
+    assert len(calib) == 1 and calib[0]['c'] == ranks[0]['c']
+    # 4 sequences × 16 tokens × 2 micro-steps × 2 ranks per step
+    assert 'world=2' in proc.stdout and '256 tokens/iter' in proc.stdout

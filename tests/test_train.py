@@ -1,0 +1,205 @@
+"""train.py: configuration, schedule, checkpoints, resume, failure handling (SPEC §2)."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train
+from train import ConfigError, get_gate, get_lr, get_phase, load_config
+
+
+def toy_args(data_dir, out_dir, **overrides):
+    """A run on the toy dataset that crosses warmup → calibrate → taper → linear in 16 steps."""
+    cfg = dict(dataset='toy', data_dir=str(data_dir), out_dir=str(out_dir), device='cpu', compile=False,
+               n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, gradient_accumulation_steps=2,
+               taper='all', aux_weight=0.1, max_iters=16, gate_warmup_iters=4, taper_iters=6,
+               learning_rate=3e-3, min_lr=3e-4, warmup_iters=2, lr_decay_iters=16,
+               eval_interval=4, eval_iters=2, log_interval=1, dropout=0.1)
+    cfg.update(overrides)
+    return [f'--{k}={v!r}' if isinstance(v, str) else f'--{k}={v}' for k, v in cfg.items()]
+
+
+def read_log(out_dir):
+    with open(os.path.join(out_dir, 'log.jsonl')) as f:
+        return [json.loads(line) for line in f]
+
+
+# ---- schedule -------------------------------------------------------------------------
+
+def test_schedule_at_and_around_each_boundary():
+    W, T = 10, 20
+    assert [get_phase(it, 'all', W, T) for it in (0, 9, 10, 11, 29, 30, 31)] == \
+        ['warmup', 'warmup', 'taper', 'taper', 'taper', 'linear', 'linear']
+    assert get_gate(0, 'all', W, T) == get_gate(W - 1, 'all', W, T) == 1.0
+    assert get_gate(W, 'all', W, T) == 1.0                                 # g(W) = 1
+    assert get_gate(W + T // 2, 'all', W, T) == pytest.approx(0.5)         # half way
+    assert get_gate(W + 1, 'all', W, T) == pytest.approx(0.5 * (1 + math.cos(math.pi / T)))
+    assert get_gate(W + T - 1, 'all', W, T) == pytest.approx(0.5 * (1 - math.cos(math.pi / T)))
+    assert get_gate(W + T, 'all', W, T) == get_gate(10 ** 6, 'all', W, T) == 0.0
+    gates = [get_gate(it, 'internal', W, T) for it in range(W, W + T + 1)]
+    assert all(a > b for a, b in zip(gates, gates[1:]))                    # strictly decreasing
+    assert {get_phase(it, 'none', W, T) for it in range(50)} == {'baseline'}
+    assert {get_gate(it, 'none', W, T) for it in range(50)} == {1.0}
+
+
+def test_learning_rate_schedule():
+    lr = lambda it: get_lr(it, 1e-3, 1e-4, 10, 100)
+    assert lr(0) == pytest.approx(1e-3 / 11) and lr(9) == pytest.approx(1e-3 * 10 / 11)
+    assert lr(10) == pytest.approx(1e-3)
+    assert lr(55) == pytest.approx(1e-4 + 0.5 * 9e-4)
+    assert lr(100) == lr(500) == 1e-4
+
+
+# ---- configuration --------------------------------------------------------------------
+
+def test_config_files_compose_and_overrides_win():
+    cfg = load_config(['config/tinystories_all_taper.py', 'config/cpu.py', '--max_iters=2000'])
+    assert (cfg.taper, cfg.aux_weight, cfg.dataset, cfg.n_embd, cfg.max_iters) == ('all', 0.1, 'austen', 64, 2000)
+    names = ['baseline', 'internal_taper', 'all_taper', 'all_taper_noaux']
+    full = [load_config([f'config/tinystories_{n}.py']) for n in names]
+    cpu = [load_config([f'config/tinystories_{n}.py', 'config/cpu.py']) for n in names]
+    assert len({c.out_dir for c in full}) == len({c.out_dir for c in cpu}) == 4
+    ignore = {'taper', 'aux_weight', 'out_dir'}
+    for runs in (full, cpu):  # the four runs differ only in taper and aux_weight
+        assert len({tuple(sorted((k, v) for k, v in vars(c).items() if k not in ignore)) for c in runs}) == 1
+    assert load_config(['--compile=True']).compile is True
+    assert load_config(['--compile=False']).compile is False
+    assert load_config(['--learning_rate=1']).learning_rate == 1.0  # int where a float is due
+    assert load_config(['--dataset=austen']).dataset == 'austen'   # bare words are strings
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--n_layers=4'], "unknown config key 'n_layers'"),
+    (['--n_layer=4.5'], 'n_layer=4.5 is a float'),
+    (['--bias=1'], 'bias=1 is a int'),
+    (['--compile=1'], 'compile=1'),
+    (['--max_iters'], '--key=value'),
+    (['config/nope.py'], 'not found'),
+    (['--taper=internal', '--gate_warmup_iters=0'], 'gate_warmup_iters=0 must be >= 1'),
+    (['--taper=internal', '--taper_iters=0'], 'taper_iters=0 must be >= 1'),
+    (['--taper=internal', '--max_iters=100', '--gate_warmup_iters=50', '--taper_iters=51'], 'exceeds max_iters=100'),
+    (['--taper=none', '--aux_weight=0.1'], 'aux_weight > 0 needs taper'),
+    (['--norm=batchnorm'], "norm='batchnorm'"),
+])
+def test_config_errors_name_the_key(args, message):
+    with pytest.raises(ConfigError, match=message.replace('(', r'\(').replace('.', r'\.')):
+        load_config(args)
+
+
+def test_unknown_key_in_a_config_file(tmp_path):
+    path = tmp_path / 'bad.py'
+    path.write_text('import math\nlearning_rate = math.sqrt(1e-6)\nlearnig_rate = 3e-4\n')
+    with pytest.raises(ConfigError, match="unknown config key 'learnig_rate' set in"):
+        load_config([str(path)])
+
+
+# ---- checkpoints, resume, failures ------------------------------------------------------
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    path = str(tmp_path / 'ckpt.pt')
+    train.save_checkpoint({'iter_num': 1}, path)
+    real_save = torch.save
+
+    def interrupted(obj, f):
+        real_save(obj, f)
+        f.truncate(10)  # half-written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, 'save', interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train.save_checkpoint({'iter_num': 2}, path)
+    assert torch.load(path)['iter_num'] == 1
+    assert os.listdir(tmp_path) == ['ckpt.pt']
+
+
+def test_resume_continues_exactly_across_the_calibrate_event(toy_data, tmp_path, monkeypatch):
+    """16 steps straight == interrupted at step 10 (last checkpoint: 8) + resume to 16."""
+    straight = tmp_path / 'straight'
+    train.main(toy_args(toy_data, straight))
+
+    interrupted = tmp_path / 'interrupted'
+    real_get_lr = train.get_lr
+
+    def ctrl_c_at_10(it, *args):
+        if it == 10:
+            raise KeyboardInterrupt
+        return real_get_lr(it, *args)
+
+    monkeypatch.setattr(train, 'get_lr', ctrl_c_at_10)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(toy_args(toy_data, interrupted))
+    monkeypatch.setattr(train, 'get_lr', real_get_lr)
+    assert torch.load(interrupted / 'ckpt.pt', weights_only=False)['iter_num'] == 8
+    train.main(toy_args(toy_data, interrupted, init_from='resume'))
+
+    a, b = read_log(straight), read_log(interrupted)
+    steps_a = {r['iter']: r for r in a if 'loss' in r}
+    steps_b = {r['iter']: r for r in b if 'loss' in r}  # resumed records overwrite 8 and 9
+    assert steps_a.keys() == steps_b.keys() == set(range(16))
+    assert {r['phase'] for r in steps_a.values()} == {'warmup', 'taper', 'linear'}
+    for it in range(16):
+        for key in ('loss', 'ce', 'aux', 'gate', 'lr', 'grad_norm'):
+            assert steps_b[it][key] == steps_a[it][key], (it, key)
+    assert [r for r in b if r.get('event') == 'calibrate'] == [r for r in a if r.get('event') == 'calibrate']
+    assert len([r for r in b if r.get('event') == 'calibrate']) == 1  # never repeated on resume
+    assert a[-1]['final_val_loss'] == b[-1]['final_val_loss']
+
+
+def test_log_records(toy_data, tmp_path):
+    out = tmp_path / 'run'
+    train.main(toy_args(toy_data, out))
+    log = read_log(out)
+    steps = [r for r in log if 'loss' in r]
+    for r in steps:
+        assert {'iter', 'phase', 'gate', 'lr', 'loss', 'ce', 'aux', 'hidden_rms', 'logit_rms',
+                'final_scale_rms', 'grad_norm', 'tokens_per_s'} <= r.keys()
+        assert r['loss'] == pytest.approx(r['ce'] + r['aux'], rel=1e-5)
+        assert (r['aux'] > 0) == (r['phase'] != 'warmup')  # L_aux from the taper start on
+    assert [r['iter'] for r in steps if 'val_loss' in r] == [0, 4, 8, 12]
+    assert 'final_val_loss' in log[-1] and math.isfinite(log[-1]['final_val_loss'])
+    calib = [r for r in log if r.get('event') == 'calibrate']
+    assert len(calib) == 1 and calib[0]['iter'] == 3 and len(calib[0]['c']) == 2 * 2 + 1
+
+
+def test_baseline_run_and_internal_taper_keep_a_real_final_norm(toy_data, tmp_path):
+    for taper, aux in (('none', 0.0), ('internal', 0.1)):
+        out = tmp_path / taper
+        train.main(toy_args(toy_data, out, taper=taper, aux_weight=aux, max_iters=12))
+        steps = [r for r in read_log(out) if 'loss' in r]
+        assert all('final_scale_rms' not in r for r in steps)
+        if taper == 'none':
+            assert {r['phase'] for r in steps} == {'baseline'} and {r['gate'] for r in steps} == {1.0}
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(toy_data, tmp_path, monkeypatch):
+    out = tmp_path / 'nan'
+    real_ce, calls = F.cross_entropy, []
+
+    def ce_nan_at_step_6(*args, **kwargs):
+        calls.append(None)
+        loss = real_ce(*args, **kwargs)
+        # 2 micro-steps per step, and 2 eval forwards at iters 0 and 4 (before the step)
+        return loss * float('nan') if len(calls) > 2 + 2 * 4 + 2 + 2 * 2 else loss
+
+    monkeypatch.setattr(F, 'cross_entropy', ce_nan_at_step_6)
+    with pytest.raises(SystemExit, match='non-finite loss nan .* at iteration 6'):
+        train.main(toy_args(toy_data, out))
+    assert torch.load(out / 'ckpt.pt', weights_only=False)['iter_num'] == 4
+
+
+def test_missing_dataset_names_the_prepare_command(tmp_path):
+    with pytest.raises(SystemExit, match='data/text/prepare.py --name=austen --input='):
+        train.main([f'--data_dir={tmp_path}', '--dataset=austen', '--device=cpu'])
+
+
+def test_resume_refuses_a_changed_schedule(toy_data, tmp_path):
+    out = tmp_path / 'run'
+    train.main(toy_args(toy_data, out, max_iters=12))
+    with pytest.raises(SystemExit, match='gate_warmup_iters=3 differs'):
+        train.main(toy_args(toy_data, out, max_iters=12, init_from='resume', gate_warmup_iters=3))
+    with pytest.raises(SystemExit, match='resume: .*ckpt.pt not found'):
+        train.main(toy_args(toy_data, tmp_path / 'none', init_from='resume'))
