@@ -399,15 +399,14 @@ class GPT(nn.Module):
 
         logits = self.lm_head(x)  # (B, T, V)
         ce = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-        if aux is None:
-            aux = torch.zeros_like(ce)
         ln_f = self.transformer.ln_f
         self.last_metrics = ForwardMetrics(
-            ce=ce.detach(), aux=aux.detach(), hidden_rms=hidden_rms,
+            ce=ce.detach(), aux=aux.detach() if aux_on else ce.new_zeros(()), hidden_rms=hidden_rms,
             logit_rms=logits.detach().float().pow(2).mean().sqrt(),
             final_scale_rms=((ln_f.c * ln_f.weight_tilde).detach().float().pow(2).mean().sqrt()
                              if isinstance(ln_f, TaperNorm) else None))
-        return logits, ce + aux
+        # no `ce + 0` when L_aux is off: with inductor (torch 2.13) that loss came back without grad_fn
+        return logits, ce + aux if aux_on else ce
 
     # ---- training helpers ---------------------------------------------------------------
 
