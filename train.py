@@ -222,7 +222,10 @@ def find_dataset(cfg, may_prepare):
     folder = os.path.join(cfg.data_dir, cfg.dataset)
     if not os.path.exists(os.path.join(folder, 'train.bin')) and cfg.dataset == 'tinystories' and may_prepare:
         print(f"{folder}/train.bin not found: preparing TinyStories first")
-        subprocess.run([sys.executable, os.path.join('data', 'tinystories', 'prepare.py')], check=True)
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'tinystories', 'prepare.py')
+        if subprocess.run([sys.executable, script, f'--out_dir={folder}']).returncode != 0:
+            raise SystemExit(f"preparing TinyStories failed (its message is above); prepare it, "
+                             f"then run train.py again:\n    {prepare_command(cfg.dataset)}")
     for name in ('train.bin', 'val.bin', 'meta.json'):
         if not os.path.exists(os.path.join(folder, name)):
             raise SystemExit(f"{os.path.join(folder, name)} not found. Prepare the dataset first:\n"

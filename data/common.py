@@ -1,0 +1,334 @@
+"""
+Shared data preparation: GPT-2 BPE tokenization, the compact vocabulary, train.bin / val.bin /
+meta.json. Used by the prepare scripts, and by train.py / sample.py through load_meta / decode:
+
+    python data/text/prepare.py --name=austen --input=../shared/corpora/austen.txt
+    python data/tinystories/prepare.py            # or --input=FILE ... for local files
+
+How a dataset is made (both scripts):
+1. Pass 1 encodes documents with GPT-2 BPE (tiktoken "gpt2", encode_ordinary, 2 worker
+   processes) and appends the GPT-2 ids, with the end-of-text id 50256 after every document, to a
+   temporary uint16 file per split. Nothing holds the whole token stream in memory.
+2. The compact vocabulary is built from the token counts of the training split only: the K - 1
+   most frequent GPT-2 tokens (end-of-text always among them), by descending count, ties by
+   GPT-2 id, become ids 0 .. K-2; every other token becomes <unk> = K - 1.
+3. Pass 2 maps the temporary files chunk by chunk through a lookup table into train.bin /
+   val.bin (uint16), written under a temporary name and renamed, then meta.json:
+   vocab_size, tokenizer, gpt2_ids (compact id -> GPT-2 id, <unk> excluded), unk_id, eot_id,
+   tokens {train, val}, unk_rate {train, val}, sources.
+vocab_size = 0 keeps the full GPT-2 vocabulary (50257 ids, identity mapping, unk_id null).
+"""
+
+import itertools
+import json
+import multiprocessing
+import os
+import re
+from collections import deque
+
+import numpy as np
+from tqdm import tqdm
+
+GPT2_VOCAB_SIZE = 50257  # GPT-2 ids 0 .. 50256; every one fits in uint16
+GPT2_EOT = 50256         # <|endoftext|>
+UNK_TEXT = "<unk>"
+DEFAULT_VOCAB_SIZE = 10000
+NUM_PROC = 2             # encoder processes (this project's CPU machines have 2 cores)
+BATCH_CHARS = 1 << 21    # characters per worker task: ~2 MB, a few thousand TinyStories
+PIECE_CHARS = 1 << 20    # longer documents are encoded in pieces of about this size
+CHUNK_TOKENS = 1 << 23   # tokens per read in the counting and remapping passes (16 MB)
+
+DATA_DIR = os.path.dirname(os.path.abspath(__file__))
+# ../shared/tiktoken_cache next to the repo holds tiktoken's own gpt2 files for offline machines
+SHARED_TIKTOKEN_CACHE = os.path.join(os.path.dirname(os.path.dirname(DATA_DIR)), "shared",
+                                     "tiktoken_cache")
+
+_encoder = None
+
+
+def get_encoder():
+    """The tiktoken "gpt2" Encoding, loaded once per process.
+
+    If TIKTOKEN_CACHE_DIR is unset and ../shared/tiktoken_cache exists next to the repo, that
+    folder is used, so the prepare commands work offline as written. SystemExit if tiktoken
+    cannot load the encoding (offline without a cache).
+    """
+    global _encoder
+    if _encoder is None:
+        if "TIKTOKEN_CACHE_DIR" not in os.environ and os.path.isdir(SHARED_TIKTOKEN_CACHE):
+            os.environ["TIKTOKEN_CACHE_DIR"] = SHARED_TIKTOKEN_CACHE
+        import tiktoken
+        try:
+            _encoder = tiktoken.get_encoding("gpt2")
+        except Exception as e:  # tiktoken raises requests/OS errors when it has to download
+            raise SystemExit(
+                f"could not load the GPT-2 BPE from tiktoken ({type(e).__name__}: {e}).\n"
+                "Offline, point TIKTOKEN_CACHE_DIR at a folder holding tiktoken's cached gpt2 "
+                "files, e.g.\n  export TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache")
+    return _encoder
+
+
+def check_vocab_size(vocab_size):
+    """SystemExit unless vocab_size is 0 (full GPT-2 vocabulary) or 2 <= vocab_size <= 50257."""
+    if vocab_size != 0 and not 2 <= vocab_size <= GPT2_VOCAB_SIZE:
+        raise SystemExit(
+            f"--vocab_size={vocab_size} is out of range: use 2 .. {GPT2_VOCAB_SIZE} (the size of "
+            "the compact vocabulary, <unk> included) or 0 for the full GPT-2 vocabulary")
+
+
+def check_inputs(paths, fix):
+    """SystemExit naming the first missing file; `fix` is the command line to suggest."""
+    if not paths:
+        raise SystemExit(f"no input files given. {fix}")
+    for p in paths:
+        if not os.path.isfile(p):
+            raise SystemExit(f"input file not found: {p}. {fix}")
+
+
+# ------------------------------------------------------------------------------------------------
+# pass 1: documents -> GPT-2 ids in a temporary file
+
+# ASCII whitespace followed by an ASCII letter or digit: a place split_exact may cut before
+_EXACT_CUT = re.compile(r"[ \t\n\r\x0b\x0c](?=[A-Za-z0-9])")
+
+
+def split_exact(text, piece_chars=PIECE_CHARS):
+    """Cut text into pieces of about piece_chars whose GPT-2 encodings, concatenated, equal the
+    encoding of the whole text. Returns a list of str.
+
+    Cuts go before the last character of a whitespace run that is followed by a letter or digit
+    (" Word", "\\n\\nWord"). GPT-2's pre-tokenizer splits such a run the same way whether or not
+    the text ends before its last character: the run minus its last character is one piece
+    (`\\s+(?!\\S)`), the last character is its own piece or joins the word (" Word"); the
+    non-space text before the run never joins whitespace. BPE never merges across pieces. Only
+    ASCII is trusted, as Python's and the Rust regex's ideas of whitespace differ outside it.
+    Text with no such place stays one piece.
+    """
+    pieces, start = [], 0
+    while len(text) - start > piece_chars:
+        m = _EXACT_CUT.search(text, start + max(1, piece_chars))
+        if m is None:
+            break
+        pieces.append(text[start:m.start()])
+        start = m.start()
+    pieces.append(text[start:])
+    return pieces
+
+
+def _batches(docs, batch_chars):
+    """Group documents into worker tasks: lists of (text, ends_document) of ~batch_chars."""
+    batch, size = [], 0
+    for doc in docs:
+        pieces = split_exact(doc) if len(doc) > PIECE_CHARS else [doc]
+        for j, piece in enumerate(pieces):
+            batch.append((piece, j == len(pieces) - 1))
+            size += len(piece)
+            if size >= batch_chars:
+                yield batch
+                batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _encode_batch(batch):
+    """Worker task: [(text, ends_document)] -> uint16 array of GPT-2 ids, 50256 after each doc."""
+    enc = get_encoder()
+    eot = [GPT2_EOT]
+    ids = (enc.encode_ordinary(text) + eot if ends else enc.encode_ordinary(text)
+           for text, ends in batch)
+    return np.fromiter(itertools.chain.from_iterable(ids), dtype=np.uint16)
+
+
+def encode_documents(docs, path, desc="encode", num_proc=NUM_PROC, batch_chars=BATCH_CHARS):
+    """Pass 1: encode an iterable of documents (str) with GPT-2 BPE and write their ids, each
+    document followed by end-of-text (50256), to `path` as uint16 (the file is overwritten).
+
+    Streams: the documents are consumed lazily and at most 2 * num_proc batches of ~batch_chars
+    characters are in flight, so memory does not grow with the corpus. encode_ordinary never
+    emits 50256 (the special token is not in the BPE ranks), so end-of-text ids mark documents.
+    Returns doc_ends: int64 array (n_docs,), the token offset just past each document's
+    end-of-text. A progress bar counts tokens.
+    """
+    get_encoder()  # load (and fail, if it must) before forking, so workers inherit it
+    batches = _batches(docs, batch_chars)
+    head = list(itertools.islice(batches, 2))
+    if len(head) < 2 or num_proc < 2:
+        # small inputs (tests, tiny corpora) are not worth starting processes for
+        results, pool = map(_encode_batch, itertools.chain(head, batches)), None
+    else:
+        pool = multiprocessing.Pool(num_proc)
+        results = _bounded_imap(pool, _encode_batch, itertools.chain(head, batches), 2 * num_proc)
+    doc_ends, n = [], 0
+    try:
+        with open(path, "wb") as f, tqdm(desc=desc, unit="tok", unit_scale=True) as bar:
+            for ids in results:
+                doc_ends.append(np.flatnonzero(ids == GPT2_EOT) + (n + 1))
+                ids.tofile(f)
+                n += len(ids)
+                bar.update(len(ids))
+    finally:
+        if pool is not None:
+            pool.terminate()
+    return np.concatenate(doc_ends) if doc_ends else np.zeros(0, dtype=np.int64)
+
+
+def _bounded_imap(pool, fn, items, window):
+    """Ordered pool.imap that reads `items` only `window` tasks ahead (Pool.imap would read the
+    whole iterator, i.e. the whole corpus, into its task queue)."""
+    pending = deque()
+    for item in items:
+        pending.append(pool.apply_async(fn, (item,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+# ------------------------------------------------------------------------------------------------
+# vocabulary and pass 2
+
+def _read_chunks(segments):
+    """Yield uint16 arrays covering segments [(path, start, end)] (token offsets) in order."""
+    for path, start, end in segments:
+        with open(path, "rb") as f:
+            f.seek(2 * start)
+            for pos in range(start, end, CHUNK_TOKENS):
+                yield np.fromfile(f, dtype=np.uint16, count=min(CHUNK_TOKENS, end - pos))
+
+
+def count_tokens(segments):
+    """Counts of each GPT-2 id over segments: int64 array (50257,)."""
+    counts = np.zeros(GPT2_VOCAB_SIZE, dtype=np.int64)
+    for ids in _read_chunks(segments):
+        counts += np.bincount(ids, minlength=GPT2_VOCAB_SIZE)
+    return counts
+
+
+def build_vocab(counts, vocab_size):
+    """Compact vocabulary from training counts (int array (50257,)).
+
+    Returns gpt2_ids: int64 array (vocab_size - 1,), compact id -> GPT-2 id, the vocab_size - 1
+    most frequent tokens by descending count, ties by GPT-2 id; end-of-text is always kept (it
+    displaces the last token if it would not make the cut). Tokens never seen in training fill any
+    remaining places by id, so the vocabulary size is exactly what was asked for.
+    vocab_size = 0 returns the identity over the full GPT-2 vocabulary.
+    """
+    check_vocab_size(vocab_size)
+    if vocab_size == 0:
+        return np.arange(GPT2_VOCAB_SIZE, dtype=np.int64)
+    counts = np.asarray(counts, dtype=np.int64)
+    ids = np.arange(GPT2_VOCAB_SIZE)
+    priority = counts.copy()
+    priority[GPT2_EOT] = np.iinfo(np.int64).max
+    kept = np.lexsort((ids, -priority))[:vocab_size - 1]  # lexsort: last key is the primary one
+    return kept[np.lexsort((kept, -counts[kept]))]
+
+
+def lookup_table(gpt2_ids, unk_id):
+    """GPT-2 id -> compact id: uint16 array (50257,); ids not in gpt2_ids map to unk_id."""
+    lut = np.full(GPT2_VOCAB_SIZE, GPT2_VOCAB_SIZE - 1 if unk_id is None else unk_id, np.uint16)
+    lut[np.asarray(gpt2_ids)] = np.arange(len(gpt2_ids), dtype=np.uint16)
+    return lut
+
+
+def _remap(segments, lut, unk_id, out_path):
+    """Pass 2: write segments mapped through lut to out_path (temporary name, then renamed).
+    Returns (n_tokens, n_unk)."""
+    tmp = out_path + ".tmp"
+    n = n_unk = 0
+    try:
+        with open(tmp, "wb") as f:
+            for ids in _read_chunks(segments):
+                ids = lut[ids]
+                if unk_id is not None:
+                    n_unk += int(np.count_nonzero(ids == unk_id))
+                ids.tofile(f)
+                n += len(ids)
+        os.replace(tmp, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return n, n_unk
+
+
+def write_dataset(out_dir, splits, vocab_size, sources):
+    """Build the vocabulary from splits["train"] and write train.bin, val.bin and meta.json.
+
+    splits: {"train": segments, "val": segments}, segments = [(path, start, end)] of the pass-1
+    GPT-2 id files (token offsets). vocab_size: K (2 .. 50257) or 0 for full GPT-2. sources: list
+    of str for meta.json. SystemExit if a split is empty. Returns the meta dict.
+    """
+    check_vocab_size(vocab_size)
+    for split in ("train", "val"):
+        if sum(end - start for _, start, end in splits[split]) == 0:
+            raise SystemExit(f"the {split} split is empty: the inputs hold no text for it "
+                             "(check that the input files are not empty)")
+    gpt2_ids = build_vocab(count_tokens(splits["train"]), vocab_size)
+    unk_id = None if vocab_size == 0 else vocab_size - 1
+    lut = lookup_table(gpt2_ids, unk_id)
+    meta_path = os.path.join(out_dir, "meta.json")
+    if os.path.exists(meta_path):
+        os.remove(meta_path)  # no meta.json while the .bin files are being replaced
+    tokens, unk_rate = {}, {}
+    for split in ("train", "val"):
+        n, n_unk = _remap(splits[split], lut, unk_id, os.path.join(out_dir, f"{split}.bin"))
+        tokens[split], unk_rate[split] = n, n_unk / n
+    meta = {
+        "vocab_size": vocab_size or GPT2_VOCAB_SIZE,
+        "tokenizer": "gpt2",
+        "gpt2_ids": [int(i) for i in gpt2_ids],
+        "unk_id": unk_id,
+        "eot_id": int(lut[GPT2_EOT]),
+        "tokens": tokens,
+        "unk_rate": unk_rate,
+        "sources": [str(s) for s in sources],
+    }
+    with open(meta_path + ".tmp", "w") as f:
+        json.dump(meta, f)
+    os.replace(meta_path + ".tmp", meta_path)
+    return meta
+
+
+def report(meta, out_dir, seconds):
+    """Print the one-paragraph summary both scripts end with."""
+    for split in ("train", "val"):
+        print(f"{split}: {meta['tokens'][split]:,} tokens, unk rate "
+              f"{100 * meta['unk_rate'][split]:.3f} %  -> {os.path.join(out_dir, split + '.bin')}")
+    print(f"vocab_size {meta['vocab_size']} (unk_id {meta['unk_id']}, eot_id {meta['eot_id']}), "
+          f"{seconds:.1f} s -> {os.path.join(out_dir, 'meta.json')}")
+
+
+# ------------------------------------------------------------------------------------------------
+# for train.py / sample.py
+
+def load_meta(data_dir):
+    """meta.json of a prepared dataset folder as a dict; SystemExit if it is missing."""
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.isfile(path):
+        raise SystemExit(f"{path} not found: prepare the dataset first, e.g.\n"
+                         "  python data/text/prepare.py --name=austen "
+                         "--input=../shared/corpora/austen.txt")
+    with open(path) as f:
+        return json.load(f)
+
+
+def encode(text, meta):
+    """Text -> list of compact ids under meta (GPT-2 BPE, unknown tokens -> unk_id)."""
+    lut = lookup_table(meta["gpt2_ids"], meta["unk_id"])
+    return lut[np.asarray(get_encoder().encode_ordinary(text), dtype=np.int64)].tolist()
+
+
+def decode(ids, meta):
+    """Compact ids (any int sequence or array) -> text. <unk> decodes as the text "<unk>", the
+    end-of-text id as "<|endoftext|>". Undecodable byte sequences become U+FFFD."""
+    enc = get_encoder()
+    gpt2_ids = np.asarray(meta["gpt2_ids"], dtype=np.int64)
+    ids = np.asarray(ids, dtype=np.int64).ravel()
+    unk = meta["unk_id"]
+    if unk is None:
+        return enc.decode(gpt2_ids[ids].tolist())
+    parts, start = [], 0
+    for i in itertools.chain(np.flatnonzero(ids == unk).tolist(), [len(ids)]):
+        parts.append(enc.decode(gpt2_ids[ids[start:i]].tolist()))
+        start = i + 1
+    return UNK_TEXT.join(parts)

@@ -1,0 +1,357 @@
+"""Tests for data/common.py and the prepare scripts: tiny corpora written to tmp_path, CPU only.
+
+    python -m pytest tests/test_data.py -q
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_CACHE = REPO.parent / "shared" / "tiktoken_cache"
+sys.path.insert(0, str(REPO / "data"))
+import common  # noqa: E402
+
+EOT_TEXT = "<|endoftext|>"
+
+
+def load_script(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+text_prepare = load_script("text_prepare", REPO / "data" / "text" / "prepare.py")
+ts_prepare = load_script("tinystories_prepare", REPO / "data" / "tinystories" / "prepare.py")
+
+
+@pytest.fixture(autouse=True)
+def tiktoken_cache(monkeypatch):
+    if "TIKTOKEN_CACHE_DIR" not in os.environ and SHARED_CACHE.is_dir():
+        monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(SHARED_CACHE))
+
+
+@pytest.fixture
+def enc():
+    return common.get_encoder()
+
+
+def read_bin(path):
+    return np.fromfile(path, dtype=np.uint16)
+
+
+def make_corpus(n_lines=120, seed=0):
+    """ASCII prose-like lines with a skewed word distribution, varied whitespace and blank lines."""
+    rng = np.random.default_rng(seed)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "it", "ran", "away", "quickly",
+             "Elizabeth", "Darcy", "said", "very", "much", "indeed", "42", "1813", "!", "?", ","]
+    p = 1.0 / np.arange(1, len(words) + 1)
+    lines = []
+    for i in range(n_lines):
+        line = " ".join(rng.choice(words, size=rng.integers(3, 12), p=p / p.sum()))
+        lines.append(line + ("  " if i % 7 == 0 else "") + ("\n" if i % 5 else "\n\n"))
+    return "".join(lines)
+
+
+def stories(n, seed=0):
+    rng = np.random.default_rng(seed)
+    names = ["Lily", "Tom", "Sue", "Max", "Ben"]
+    return [f"Once upon a time, {rng.choice(names)} found {int(rng.integers(2, 99))} red balls.\n\n"
+            f"{rng.choice(names)} said: \"Story {i} ends here.\"" for i in range(n)]
+
+
+def write_tinystories_txt(path, items):
+    # the TinyStoriesV2 layout: each story followed by a line holding only the marker
+    path.write_text("".join(f"{s}\n{EOT_TEXT}\n" for s in items))
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# vocabulary
+
+def test_build_vocab_orders_by_count_then_id_and_always_keeps_eot():
+    counts = np.zeros(common.GPT2_VOCAB_SIZE, dtype=np.int64)
+    counts[[7, 3, 100, 5, 9]] = [50, 50, 80, 10, 10]  # ties 3/7 and 5/9
+    counts[common.GPT2_EOT] = 1
+    gpt2_ids = common.build_vocab(counts, 5)  # 4 kept tokens + <unk>
+    # eot (count 1) displaces 5 or 9; the others by count, ties by id
+    assert gpt2_ids.tolist() == [100, 3, 7, common.GPT2_EOT]
+    assert common.build_vocab(counts, 7).tolist() == [100, 3, 7, 5, 9, common.GPT2_EOT]
+    assert common.build_vocab(counts, 2).tolist() == [common.GPT2_EOT]
+    # tokens never seen fill any places left, by id
+    assert common.build_vocab(counts, 9).tolist()[-2:] == [0, 1]
+    assert np.array_equal(common.build_vocab(counts, 0), np.arange(common.GPT2_VOCAB_SIZE))
+    kept = common.build_vocab(counts, common.GPT2_VOCAB_SIZE)
+    assert len(kept) == common.GPT2_VOCAB_SIZE - 1 and len(set(kept.tolist())) == len(kept)
+
+
+def test_lookup_table_maps_everything_else_to_unk():
+    lut = common.lookup_table([100, 3, common.GPT2_EOT], unk_id=3)
+    assert lut[[100, 3, common.GPT2_EOT]].tolist() == [0, 1, 2]
+    others = np.setdiff1d(np.arange(common.GPT2_VOCAB_SIZE), [100, 3, common.GPT2_EOT])
+    assert set(lut[others].tolist()) == {3}
+
+
+@pytest.mark.parametrize("k", [1, -1, common.GPT2_VOCAB_SIZE + 1])
+def test_bad_vocab_size_is_rejected(k, tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text(make_corpus())
+    with pytest.raises(SystemExit, match="vocab_size"):
+        text_prepare.main([f"--input={f}", f"--vocab_size={k}", f"--out_dir={tmp_path / 'o'}"])
+
+
+# ------------------------------------------------------------------------------------------------
+# encoding
+
+def test_split_exact_pieces_encode_like_the_whole_text(enc):
+    text = (make_corpus(400) + " trailing words\n\n\n  indented 12 line\n'tis a contraction\n"
+            "caf\u00e9 \u00a0nbsp\t\ttabs\r\n\x0cform feed\x1c\nsep \u3000ideographic 7 8 9\n")
+    pieces = common.split_exact(text, piece_chars=7)
+    assert len(pieces) > 100 and "".join(pieces) == text
+    assert sum((enc.encode_ordinary(p) for p in pieces), []) == enc.encode_ordinary(text)
+    uncuttable = "no_place_to_cut_here" * 10
+    assert common.split_exact(uncuttable, piece_chars=5) == [uncuttable]
+
+
+def test_encode_documents_pool_matches_serial(tmp_path, enc):
+    docs = [make_corpus(30, seed=i) for i in range(12)]
+    a, b = tmp_path / "a.tmp", tmp_path / "b.tmp"
+    ends_a = common.encode_documents(iter(docs), str(a), num_proc=1)
+    ends_b = common.encode_documents(iter(docs), str(b), num_proc=2, batch_chars=500)
+    ids = read_bin(a)
+    assert np.array_equal(ids, read_bin(b)) and np.array_equal(ends_a, ends_b)
+    expected = sum((enc.encode_ordinary(d) + [common.GPT2_EOT] for d in docs), [])
+    assert ids.tolist() == expected
+    assert ends_a.tolist() == (np.flatnonzero(ids == common.GPT2_EOT) + 1).tolist()
+
+
+# ------------------------------------------------------------------------------------------------
+# data/text/prepare.py
+
+def test_text_full_vocab_round_trips_and_val_is_the_last_5_percent_at_a_line(tmp_path):
+    text = make_corpus(300)
+    f = tmp_path / "corpus.txt"
+    f.write_text(text)
+    out = tmp_path / "out"
+    meta = text_prepare.main([f"--input={f}", "--vocab_size=0", f"--out_dir={out}"])
+    assert meta == common.load_meta(out)
+    assert meta["vocab_size"] == common.GPT2_VOCAB_SIZE and meta["unk_id"] is None
+    assert meta["gpt2_ids"] == list(range(common.GPT2_VOCAB_SIZE))
+    assert meta["eot_id"] == common.GPT2_EOT and meta["tokenizer"] == "gpt2"
+    assert meta["unk_rate"] == {"train": 0.0, "val": 0.0} and meta["sources"] == [str(f)]
+    train, val = (common.decode(read_bin(out / f"{s}.bin"), meta) for s in ("train", "val"))
+    assert train.endswith(EOT_TEXT) and val.endswith(EOT_TEXT)
+    train, val = train[:-len(EOT_TEXT)], val[:-len(EOT_TEXT)]
+    assert train + val == text  # nothing lost, nothing in both
+    assert train.endswith("\n")  # cut at a line break
+    assert 0.02 < len(val) / len(text) < 0.08
+    assert meta["tokens"] == {s: len(read_bin(out / f"{s}.bin")) for s in ("train", "val")}
+    assert not list(out.glob("*.tmp"))
+
+
+def test_text_compact_vocab_counts_train_only_and_maps_the_rest_to_unk(tmp_path, enc):
+    text = make_corpus(300)
+    f = tmp_path / "corpus.txt"
+    f.write_text(text)
+    k = 12
+    meta = text_prepare.main([f"--input={f}", f"--vocab_size={k}", f"--out_dir={tmp_path}"])
+    train_text, val_text = text_prepare.split_at_line(text)
+    counts = Counter(enc.encode_ordinary(train_text) + [common.GPT2_EOT])
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))
+    assert common.GPT2_EOT not in ranked[:k - 1]  # so the test sees eot being kept anyway
+    expected = ranked[:k - 2] + [common.GPT2_EOT]  # eot has the lowest count of the kept
+    assert meta["gpt2_ids"] == expected and len(meta["gpt2_ids"]) == k - 1
+    assert meta["unk_id"] == k - 1 and meta["vocab_size"] == k
+    assert meta["gpt2_ids"][meta["eot_id"]] == common.GPT2_EOT
+
+    for split, part in (("train", train_text), ("val", val_text)):
+        ids = read_bin(tmp_path / f"{split}.bin")
+        assert ids.max() < k
+        gpt2 = enc.encode_ordinary(part) + [common.GPT2_EOT]
+        # ASCII text, so every GPT-2 token decodes on its own
+        want = "".join(enc.decode([t]) if t in expected else "<unk>" for t in gpt2)
+        assert common.decode(ids, meta) == want
+        n_unk = sum(t not in expected for t in gpt2)
+        assert meta["unk_rate"][split] == pytest.approx(n_unk / len(gpt2))
+    assert meta["unk_rate"]["train"] > 0
+    assert common.encode(val_text, meta) == read_bin(tmp_path / "val.bin").tolist()[:-1]
+
+
+def test_text_several_files_each_split_at_its_own_end(tmp_path, enc):
+    texts = [make_corpus(100, seed=1), make_corpus(200, seed=2)]
+    paths = []
+    for i, t in enumerate(texts):
+        paths.append(tmp_path / f"{i}.txt")
+        paths[-1].write_text(t)
+    meta = text_prepare.main([f"--input={p}" for p in paths] + ["--vocab_size=0",
+                                                                 f"--out_dir={tmp_path}"])
+    for split, i in (("train", 0), ("val", 1)):
+        docs = common.decode(read_bin(tmp_path / f"{split}.bin"), meta).split(EOT_TEXT)
+        assert docs[-1] == "" and docs[:-1] == [text_prepare.split_at_line(t)[i] for t in texts]
+
+
+def test_text_default_out_dir_is_data_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "DATA_DIR", str(tmp_path))
+    f = tmp_path / "c.txt"
+    f.write_text(make_corpus())
+    text_prepare.main(["--name=mini", f"--input={f}"])
+    assert {p.name for p in (tmp_path / "mini").iterdir()} == {"train.bin", "val.bin",
+                                                                 "meta.json"}
+
+
+def test_text_script_runs_from_another_cwd(tmp_path):
+    f = tmp_path / "c.txt"
+    f.write_text(make_corpus())
+    env = dict(os.environ)
+    if SHARED_CACHE.is_dir():
+        env.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED_CACHE))
+    r = subprocess.run([sys.executable, str(REPO / "data" / "text" / "prepare.py"), "--input",
+                        "c.txt", "--out_dir=o", "--vocab_size=100"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "o" / "meta.json").read_text())["vocab_size"] == 100
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--name=x"], "--input"),
+    (["--name=x", "--input=/nonexistent/file.txt"], "/nonexistent/file.txt"),
+    (["--input=EXISTING"], "--name"),
+    (["--name=a/b", "--input=EXISTING"], "--name"),
+    (["--name=x", "--input=EMPTY"], "too short"),
+    (["--name=x", "--input=ONELINE"], "too short"),
+])
+def test_text_bad_inputs_give_clear_errors(tmp_path, monkeypatch, args, message):
+    monkeypatch.setattr(common, "DATA_DIR", str(tmp_path))
+    files = {"EXISTING": make_corpus(), "EMPTY": "", "ONELINE": "no line break at all"}
+    for name, content in files.items():
+        (tmp_path / name).write_text(content)
+    args = [a.replace("--input=", f"--input={tmp_path}/") if a.split("=")[1] in files else a
+            for a in args]
+    with pytest.raises(SystemExit) as e:
+        text_prepare.main(args)
+    assert message in str(e.value)
+    assert not list(tmp_path.glob("*/*.tmp"))
+
+
+# ------------------------------------------------------------------------------------------------
+# data/tinystories/prepare.py
+
+def test_tinystories_txt_splits_on_the_marker_and_picks_val_by_name(tmp_path, enc):
+    train, val = stories(40, seed=1), stories(6, seed=2)
+    ts_prepare.READ_BYTES = 64  # markers and UTF-8 cut by block ends
+    try:
+        files = [write_tinystories_txt(tmp_path / "TinyStoriesV2-GPT4-valid.txt", val),
+                 write_tinystories_txt(tmp_path / "TinyStoriesV2-GPT4-train.txt", train)]
+        meta = ts_prepare.main([f"--input={p}" for p in files] +
+                               ["--vocab_size=0", f"--out_dir={tmp_path / 'o'}"])
+    finally:
+        ts_prepare.READ_BYTES = 1 << 23
+    for split, items in (("train", train), ("val", val)):
+        ids = read_bin(tmp_path / "o" / f"{split}.bin")
+        assert np.count_nonzero(ids == common.GPT2_EOT) == len(items)
+        marker_as_text = enc.encode_ordinary(EOT_TEXT)
+        assert not any(ids[i:i + 2].tolist() == marker_as_text[:2] for i in range(len(ids)))
+        assert common.decode(ids, meta) == "".join(s + EOT_TEXT for s in items)
+    assert meta["tokens"]["val"] == len(read_bin(tmp_path / "o" / "val.bin"))
+
+
+def test_tinystories_without_val_file_uses_the_last_1_percent(tmp_path):
+    items = stories(300)
+    f = write_tinystories_txt(tmp_path / "train.txt", items)
+    meta = ts_prepare.main([f"--input={f}", "--vocab_size=0", f"--out_dir={tmp_path}"])
+    split = {s: common.decode(read_bin(tmp_path / f"{s}.bin"), meta).split(EOT_TEXT)[:-1]
+             for s in ("train", "val")}
+    assert split["val"] == items[-3:] and split["train"] == items[:-3]
+
+
+def test_tinystories_compact_vocab_comes_from_train_only(tmp_path, enc):
+    train = ["a a a a b b c"] * 3
+    val = ["zebra zebra zebra zebra zebra"]
+    files = [write_tinystories_txt(tmp_path / "x-train.txt", train),
+             write_tinystories_txt(tmp_path / "x-validation.txt", val)]
+    meta = ts_prepare.main([f"--input={p}" for p in files] + ["--vocab_size=4",
+                                                              f"--out_dir={tmp_path}"])
+    zebra = set(enc.encode_ordinary(" zebra") + enc.encode_ordinary("zebra"))
+    assert not zebra & set(meta["gpt2_ids"])
+    assert meta["unk_rate"]["val"] > 0.5 and meta["eot_id"] in range(3)
+
+
+def test_tinystories_jsonl_with_text_column(tmp_path):
+    train, val = stories(20, seed=3), stories(3, seed=4)
+    for name, items in (("train.jsonl", train), ("validation.jsonl", val)):
+        (tmp_path / name).write_text(
+            "".join(json.dumps({"text": s, "id": i}) + "\n" for i, s in enumerate(items)))
+    meta = ts_prepare.main([f"--input={tmp_path / n}" for n in ("train.jsonl", "validation.jsonl")]
+                           + ["--vocab_size=0", f"--out_dir={tmp_path}"])
+    for split, items in (("train", train), ("val", val)):
+        assert common.decode(read_bin(tmp_path / f"{split}.bin"), meta) == \
+            "".join(s + EOT_TEXT for s in items)
+
+
+def test_tinystories_jsonl_without_text_is_an_error(tmp_path):
+    f = tmp_path / "train.jsonl"
+    f.write_text(json.dumps({"story": "x"}) + "\n")
+    with pytest.raises(SystemExit, match="text"):
+        ts_prepare.main([f"--input={f}", f"--out_dir={tmp_path}"])
+
+
+def test_tinystories_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    train, val = stories(25, seed=5), stories(4, seed=6)
+    for name, items in (("train-00000-of-00001.parquet", train),
+                        ("validation-00000-of-00001.parquet", val)):
+        pq.write_table(pa.table({"text": items}), tmp_path / name, row_group_size=7)
+    meta = ts_prepare.main([f"--input={p}" for p in sorted(tmp_path.glob("*.parquet"))] +
+                           ["--vocab_size=0", f"--out_dir={tmp_path}"])
+    for split, items in (("train", train), ("val", val)):
+        assert common.decode(read_bin(tmp_path / f"{split}.bin"), meta) == \
+            "".join(s + EOT_TEXT for s in items)
+
+
+def test_tinystories_offline_says_how_to_pass_local_files(tmp_path, monkeypatch):
+    def offline(**kwargs):
+        raise OSError("network is unreachable")
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub",
+                        types.SimpleNamespace(hf_hub_download=offline))
+    with pytest.raises(SystemExit) as e:
+        ts_prepare.main([f"--out_dir={tmp_path}"])
+    msg = str(e.value)
+    assert "--input=" in msg and ts_prepare.HF_URL in msg and "valid.txt" in msg
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # not installed: import fails
+    with pytest.raises(SystemExit) as e:
+        ts_prepare.main([f"--out_dir={tmp_path}"])
+    assert "huggingface_hub" in str(e.value) and "--input=" in str(e.value)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "not found"), ("empty", "need at least two"), ("only_val", "validation"),
+    ("one_story", "need at least two"),
+])
+def test_tinystories_bad_inputs_give_clear_errors(tmp_path, case, message):
+    paths = {
+        "missing": [tmp_path / "nope-train.txt"],
+        "empty": [write_tinystories_txt(tmp_path / "train.txt", [])],
+        "only_val": [write_tinystories_txt(tmp_path / "valid.txt", stories(3))],
+        "one_story": [write_tinystories_txt(tmp_path / "train.txt", stories(1))],
+    }[case]
+    with pytest.raises(SystemExit) as e:
+        ts_prepare.main([f"--input={p}" for p in paths] + [f"--out_dir={tmp_path / 'o'}"])
+    assert message in str(e.value)
+    assert not list(tmp_path.glob("o/*"))
+
+
+def test_load_meta_missing_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="prepare"):
+        common.load_meta(tmp_path)
