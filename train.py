@@ -25,7 +25,6 @@ import builtins
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -221,11 +220,9 @@ def find_dataset(cfg, may_prepare):
     """
     folder = os.path.join(cfg.data_dir, cfg.dataset)
     if not os.path.exists(os.path.join(folder, 'train.bin')) and cfg.dataset == 'tinystories' and may_prepare:
+        from data.tinystories import prepare as tinystories  # downloads; offline it says how to pass files
         print(f"{folder}/train.bin not found: preparing TinyStories first")
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'tinystories', 'prepare.py')
-        if subprocess.run([sys.executable, script, f'--out_dir={folder}']).returncode != 0:
-            raise SystemExit(f"preparing TinyStories failed (its message is above); prepare it, "
-                             f"then run train.py again:\n    {prepare_command(cfg.dataset)}")
+        tinystories.main([f'--out_dir={folder}'])
     for name in ('train.bin', 'val.bin', 'meta.json'):
         if not os.path.exists(os.path.join(folder, name)):
             raise SystemExit(f"{os.path.join(folder, name)} not found. Prepare the dataset first:\n"

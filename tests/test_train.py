@@ -203,3 +203,35 @@ def test_resume_refuses_a_changed_schedule(toy_data, tmp_path):
         train.main(toy_args(toy_data, out, max_iters=12, init_from='resume', gate_warmup_iters=3))
     with pytest.raises(SystemExit, match='resume: .*ckpt.pt not found'):
         train.main(toy_args(toy_data, tmp_path / 'none', init_from='resume'))
+
+
+def test_main_command_prepares_tinystories_when_missing(tmp_path, monkeypatch):
+    """`python train.py config/tinystories_*.py` on a fresh machine downloads and prepares first."""
+    import sys
+    import types
+    asked = []
+
+    def hf_hub_download(repo_id, repo_type, filename):  # the hub, faked with the V2 text layout
+        asked.append((repo_id, repo_type, filename))
+        n = 400 if 'train' in filename else 40
+        path = tmp_path / filename
+        path.write_text(''.join(f'Once upon a time, Tom had {i} red balls. He was happy.\n<|endoftext|>\n'
+                                for i in range(n)))
+        return str(path)
+
+    monkeypatch.setitem(sys.modules, 'huggingface_hub', types.SimpleNamespace(hf_hub_download=hf_hub_download))
+    args = ['config/tinystories_internal_taper.py', f'--data_dir={tmp_path}', f'--out_dir={tmp_path}/out',
+            '--device=cpu', '--compile=False', '--n_layer=1', '--n_embd=16', '--n_head=2', '--block_size=16',
+            '--batch_size=2', '--gradient_accumulation_steps=1', '--max_iters=4', '--gate_warmup_iters=1',
+            '--taper_iters=2', '--eval_iters=1', '--eval_interval=2']
+    model = train.main(args)
+    assert [a[2] for a in asked] == ['TinyStoriesV2-GPT4-train.txt', 'TinyStoriesV2-GPT4-valid.txt']
+    assert {a[:2] for a in asked} == {('roneneldan/TinyStories', 'dataset')}
+    assert (tmp_path / 'tinystories' / 'meta.json').exists() and model.phase == 'linear'
+
+    def offline(**kwargs):
+        raise OSError('network is unreachable')
+
+    monkeypatch.setitem(sys.modules, 'huggingface_hub', types.SimpleNamespace(hf_hub_download=offline))
+    with pytest.raises(SystemExit, match='--input=/path/to/TinyStoriesV2-GPT4-train.txt'):
+        train.main(args[:1] + [f'--data_dir={tmp_path}/empty'] + args[2:])
