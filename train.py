@@ -318,7 +318,7 @@ def main(argv):
         if not os.path.exists(ckpt_path):
             raise SystemExit(f"--init_from=resume: {ckpt_path} not found; train from scratch first "
                              "or point --out_dir at the run to continue")
-        ckpt = torch.load(ckpt_path, map_location=dev, weights_only=False)
+        ckpt = torch.load(ckpt_path, map_location=dev, weights_only=True)
         for key in model_keys + ('vocab_size',):
             if ckpt['model_args'][key] != model_args[key]:
                 raise SystemExit(f"--init_from=resume: {key}={model_args[key]!r} differs from the "
