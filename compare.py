@@ -1,12 +1,13 @@
 """
 Compare finished runs from their out_dir/log.jsonl; the first run is the reference.
 
-    python compare.py out-cpu-none out-cpu-internal-aux0.1 out-cpu-all-aux0.1 out-cpu-all-aux0
+    python compare.py out-cpu-austen-none-aux0 out-cpu-austen-internal-aux0.1 \
+        out-cpu-austen-all-aux0.1 out-cpu-austen-all-aux0
 
 Prints one row per run: final_val_loss and its relative difference to the reference, the last
 logged hidden_rms, logit_rms and final_scale_rms, and the median step time over the taper
 iterations of the first tapered run (evaluation steps excluded), over the same iterations in
-every run, relative to the reference. Ends with the same table as one JSON object.
+every run, relative to the reference. The last line is the same table as one JSON object.
 """
 
 import json
@@ -61,7 +62,7 @@ def main(out_dirs):
     if taper_iters:
         print(f"step times: median over iterations {taper_iters[0]}-{taper_iters[-1]} "
               f"({len(taper_iters)} logged taper steps of the first tapered run), evaluation steps excluded")
-    print(json.dumps(rows))
+    print(json.dumps({'reference': out_dirs[0], 'runs': rows}))
 
 
 if __name__ == '__main__':

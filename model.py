@@ -7,7 +7,7 @@ with one global gate g ∈ [0, 1]:
     TaperNorm(h; g) = g · (h / r(h)) ⊙ γ  +  (1 − g) · c · h ⊙ γ̃,     r(h) = sqrt(mean_i h_i² + ε)
 
 Training moves g from 1 to 0 (train.py holds the schedule); at g = 0 every tapered layer is
-the fixed map h ↦ c·h⊙γ̃, which fold.py merges into the next linear layer.
+the fixed map h ↦ c·h⊙γ̃, which can be merged into the next linear layer (SPEC §5).
 
 Everything the method adds lives here, each in one place:
 - `TaperNorm`                   the layer, RMS and LayerNorm kinds          (SPEC §1)
@@ -244,7 +244,7 @@ class GPT(nn.Module):
             ln_f=make_norm(final=True),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # tied; fold.py unties for All-Taper
+        self.transformer.wte.weight = self.lm_head.weight  # tied (folding All-Taper unties them, SPEC §5)
 
         self.register_buffer('gate', torch.ones(()))  # g, used only in the taper phase
         if config.taper != 'none':

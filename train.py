@@ -4,7 +4,7 @@ Train a GPT whose norms taper away: one script for all four phases of SPEC §2.
     python train.py config/tinystories_all_taper.py                        # GPU, TinyStories
     python train.py config/tinystories_internal_taper.py config/cpu.py     # 2-core CPU, austen
     python train.py config/tinystories_baseline.py config/cpu.py --max_iters=200
-    python train.py config/cpu.py --init_from=resume                       # continue out_dir/ckpt.pt
+    python train.py config/tinystories_internal_taper.py config/cpu.py --init_from=resume
     torchrun --standalone --nproc_per_node=2 train.py config/...           # DDP (nccl / gloo)
 
 Configuration as in nanoGPT: the defaults below, then each config file (plain Python,
@@ -126,7 +126,8 @@ def load_config(args):
             cfg[key] = _check_type(key, value, arg)
         else:
             if not os.path.isfile(arg):
-                raise ConfigError(f"config file {arg!r} not found (run from the repository root)")
+                hint = f"; did you mean --{arg}?" if '=' in arg else " (run from the repository root)"
+                raise ConfigError(f"config file {arg!r} not found{hint}")
             namespace = dict(cfg, __file__=os.path.abspath(arg))
             with open(arg) as f:
                 exec(builtins.compile(f.read(), arg, 'exec'), namespace)
@@ -136,6 +137,11 @@ def load_config(args):
                 if key not in cfg:
                     raise ConfigError(f"unknown config key {key!r} set in {arg}")
                 cfg[key] = _check_type(key, value, arg)
+    try:  # out_dir may name other keys, resolved after every override: 'out-{dataset}-{taper}'
+        cfg['out_dir'] = cfg['out_dir'].format(**cfg)
+    except (KeyError, ValueError, IndexError) as e:
+        raise ConfigError(f"out_dir={cfg['out_dir']!r}: placeholders must be config keys, like "
+                          f"{{taper}} ({type(e).__name__}: {e})")
     validate_config(cfg)
     return SimpleNamespace(**cfg)
 
@@ -152,6 +158,16 @@ def validate_config(cfg):
                 'eval_interval', 'eval_iters', 'log_interval', 'n_layer', 'n_head', 'n_embd'):
         if cfg[key] < 1:
             raise ConfigError(f"{key}={cfg[key]} must be >= 1")
+    for key in ('learning_rate',):
+        if not cfg[key] > 0:
+            raise ConfigError(f"{key}={cfg[key]} must be > 0")
+    for key in ('min_lr', 'weight_decay', 'grad_clip', 'warmup_iters', 'norm_eps'):
+        if cfg[key] < 0:
+            raise ConfigError(f"{key}={cfg[key]} must be >= 0")
+    if not 0 <= cfg['dropout'] < 1:
+        raise ConfigError(f"dropout={cfg['dropout']} must be in [0, 1)")
+    if cfg['lr_decay_iters'] < cfg['warmup_iters']:
+        raise ConfigError(f"lr_decay_iters={cfg['lr_decay_iters']} is below warmup_iters={cfg['warmup_iters']}")
     if cfg['n_embd'] % cfg['n_head']:
         raise ConfigError(f"n_embd={cfg['n_embd']} is not divisible by n_head={cfg['n_head']}")
     if cfg['taper'] == 'none':
@@ -337,6 +353,8 @@ def main(argv):
     if ckpt is not None:
         optimizer.load_state_dict(ckpt['optimizer'])
     iter_num = ckpt['iter_num'] if ckpt is not None else 0
+    if ckpt is not None and master:
+        print(f"resuming {ckpt_path} at iteration {iter_num}")
     del ckpt
     raw_model = model
     fwd_model = torch.compile(model) if use_compile else model
@@ -388,7 +406,7 @@ def main(argv):
         if train_model is None or phase != raw_model.phase:
             raw_model.set_phase(phase)   # the compiled model recompiles once, here
             train_model = wrap(fwd_model)  # DDP must see the parameters this phase trains
-        raw_model.set_gate(gate)
+        raw_model.set_gate(gate)  # in place: no recompile
         for group in optimizer.param_groups:
             group['lr'] = lr
 
@@ -452,6 +470,9 @@ def main(argv):
                       f"s_tgt {event['s_tgt']:.4f}")
         iter_num += 1
 
+    # the state after the last step belongs to iteration max_iters: linear, g = 0 when tapering
+    raw_model.set_phase(get_phase(iter_num, *schedule))
+    raw_model.set_gate(get_gate(iter_num, *schedule))
     checkpoint(iter_num)
     final = final_val_loss(raw_model, folder, cfg.batch_size, cfg.block_size, dev, autocast, rank, world)
     log({'iter': iter_num, 'phase': raw_model.phase, 'final_val_loss': final})

@@ -32,5 +32,6 @@ eval_interval = 250
 eval_iters = 20
 log_interval = 10
 
-# one folder per variant, so the four runs do not overwrite each other
-out_dir = f'out-cpu-{taper}' + (f'-aux{aux_weight:g}' if taper != 'none' else '')
+# one folder per dataset and variant, so runs do not overwrite each other; train.py fills in
+# the braces after every override, so --dataset=kjv or --taper=all pick their own folder
+out_dir = 'out-cpu-{dataset}-{taper}-aux{aux_weight:g}'

@@ -33,7 +33,7 @@ lr_decay_iters = 5000
 
 # TaperNorm schedule (used by the taper configs; ignored by the baseline): the gate is held
 # at 1 during the LR warmup (W = 500), tapers over half the run (T = 2500), and the last
-# 2000 steps train the purely linear model that fold.py will fold.
+# 2000 steps train the purely linear model, the one that folds (SPEC §5).
 gate_warmup_iters = 500
 taper_iters = 2500
 

@@ -25,7 +25,7 @@ def test_compare_relative_loss_and_taper_step_time(tmp_path, capsys):
     base = write_run(tmp_path / 'base', 4.0, lambda it: 100.0 if it != 4 else 1e6, tapered=False)
     tap = write_run(tmp_path / 'tap', 4.1, lambda it: 10.0 * it if it != 4 else 1e6, tapered=True)
     compare.main([base, tap])
-    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])['runs']
     assert rows[1]['rel_diff'] == pytest.approx(0.025)
     assert rows[1]['median_taper_step_ms'] == 30.0  # iterations 2, 3, 5 (4 is an eval step)
     assert rows[1]['step_time_ratio'] == pytest.approx(0.3)

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -70,6 +71,9 @@ def test_config_files_compose_and_overrides_win():
     assert load_config(['--compile=False']).compile is False
     assert load_config(['--learning_rate=1']).learning_rate == 1.0  # int where a float is due
     assert load_config(['--dataset=austen']).dataset == 'austen'   # bare words are strings
+    # cpu.py's out_dir names dataset and variant after every override
+    assert load_config(['config/cpu.py', '--dataset=kjv', '--taper=all', '--aux_weight=0.1']).out_dir \
+        == 'out-cpu-kjv-all-aux0.1'
 
 
 @pytest.mark.parametrize('args, message', [
@@ -84,9 +88,13 @@ def test_config_files_compose_and_overrides_win():
     (['--taper=internal', '--max_iters=100', '--gate_warmup_iters=50', '--taper_iters=51'], 'exceeds max_iters=100'),
     (['--taper=none', '--aux_weight=0.1'], 'aux_weight > 0 needs taper'),
     (['--norm=batchnorm'], "norm='batchnorm'"),
+    (['--learning_rate=-1'], 'learning_rate=-1.0 must be > 0'),
+    (['--dropout=1'], 'dropout=1.0 must be in [0, 1)'),
+    (['max_iters=60'], "did you mean --max_iters=60?"),
+    (['--out_dir=out-{tapr}'], "out_dir='out-{tapr}': placeholders must be config keys"),
 ])
 def test_config_errors_name_the_key(args, message):
-    with pytest.raises(ConfigError, match=message.replace('(', r'\(').replace('.', r'\.')):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(args)
 
 
@@ -147,6 +155,10 @@ def test_resume_continues_exactly_across_the_calibrate_event(toy_data, tmp_path,
     assert [r for r in b if r.get('event') == 'calibrate'] == [r for r in a if r.get('event') == 'calibrate']
     assert len([r for r in b if r.get('event') == 'calibrate']) == 1  # never repeated on resume
     assert a[-1]['final_val_loss'] == b[-1]['final_val_loss']
+    # resuming a finished run trains nothing and reports the same state: linear, g = 0
+    model = train.main(toy_args(toy_data, straight, init_from='resume'))
+    assert (model.phase, model.gate.item()) == ('linear', 0.0)
+    assert read_log(straight)[-1]['final_val_loss'] == a[-1]['final_val_loss']
 
 
 def test_log_records(toy_data, tmp_path):
