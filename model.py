@@ -286,7 +286,8 @@ class GPT(nn.Module):
 
         γ, β of tapered layers are unused in 'linear', γ̃, β̃ unused in 'warmup': they get
         requires_grad=False so DDP (which needs every trainable parameter used) does not fail.
-        Raises ValueError for a phase this model cannot be in.
+        Raises ValueError for a phase this model cannot be in, RuntimeError for taper or
+        linear before calibrate().
         """
         allowed = ('baseline',) if self.config.taper == 'none' else PHASES
         if phase not in allowed:
