@@ -92,14 +92,14 @@ def norm_scale(h, kind, eps):
     return torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def aux_loss(h, s_tgt, aux_weight, kind, eps):
+def aux_loss(s, s_tgt, aux_weight):
     """L_aux = λ · mean_tokens (s(h) − s_tgt)², the explicit scale anchor (SPEC §4).
 
-    h: (B, T, d) residual stream before the final norm; s_tgt: 0-dim tensor; returns a 0-dim
-    fp32 tensor. Its gradient with respect to each token's h is radial (along h, or P h for
-    the LN kind), so it fixes the scale of h without steering its direction.
+    s: (B, T, 1) = norm_scale(h) of the residual stream h before the final norm; s_tgt: 0-dim
+    tensor; returns a 0-dim tensor. Its gradient with respect to each token's h is radial (along
+    h, or P h for the LN kind), so it fixes the scale of h without steering its direction.
     """
-    return aux_weight * (norm_scale(h.float(), kind, eps) - s_tgt).pow(2).mean()
+    return aux_weight * (s - s_tgt).pow(2).mean()
 
 
 class Norm(nn.Module):
@@ -384,15 +384,14 @@ class GPT(nn.Module):
             x = block(x, self.gate)
 
         tapering = self.config.taper != 'none'
+        aux_on = tapering and self.config.aux_weight > 0 and self.phase in ('taper', 'linear')
+        s = norm_scale((x if aux_on else x.detach()).float(), self.config.norm, self.config.norm_eps)  # (B, T, 1)
+        hidden_rms = s.detach().mean()
         if tapering and self.phase == 'warmup' and self.training:
             with torch.no_grad():  # s_tgt's statistic, once per micro-batch
-                self.step_hidden_rms += norm_scale(x.float(), self.config.norm, self.config.norm_eps).mean()
+                self.step_hidden_rms += hidden_rms
                 self.step_micro += 1
-        aux_on = tapering and self.config.aux_weight > 0 and self.phase in ('taper', 'linear')
-        aux = (aux_loss(x, self.s_tgt, self.config.aux_weight, self.config.norm, self.config.norm_eps)
-               if aux_on else None)
-        with torch.no_grad():
-            hidden_rms = norm_scale(x.float(), self.config.norm, self.config.norm_eps).mean()
+        aux = aux_loss(s, self.s_tgt, self.config.aux_weight) if aux_on else None
 
         x = self.transformer.ln_f(x, self.gate)
         if targets is None:

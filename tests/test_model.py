@@ -155,13 +155,13 @@ def test_calibration_statistics_average_micro_batches_and_decay_per_step():
 def test_aux_loss_is_zero_on_target_and_its_gradient_is_radial(kind):
     torch.manual_seed(0)
     h = torch.randn(3, 5, 32, dtype=torch.float64)
-    target = 2.5
+    target = torch.tensor(2.5, dtype=torch.float64)
+    L = lambda h, eps=0.0: aux_loss(norm_scale(h, kind, eps), target, 0.1)
     h_on = h * (target / norm_scale(h, kind, 0.0))  # every token exactly at s(h) = s_tgt
-    assert aux_loss(h_on, torch.tensor(target), 0.1, kind, 0.0).item() == pytest.approx(0.0, abs=1e-9)
-    off = aux_loss(1.2 * h_on, torch.tensor(target), 0.1, kind, 0.0).item()
-    assert off == pytest.approx(0.1 * (0.2 * target) ** 2, rel=1e-5)  # λ (s − s_tgt)²
+    assert L(h_on).item() == pytest.approx(0.0, abs=1e-20)
+    assert L(1.2 * h_on).item() == pytest.approx(0.1 * (0.2 * 2.5) ** 2, rel=1e-9)  # λ (s − s_tgt)²
     h = h.requires_grad_()
-    aux_loss(h, torch.tensor(target), 0.1, kind, 1e-5).backward()
+    L(h, 1e-5).backward()
     x = h - h.mean(-1, keepdim=True) if kind == 'layernorm' else h
     cos = F.cosine_similarity(h.grad, x.detach(), dim=-1).abs()
     assert_close(cos, torch.ones_like(cos))
