@@ -14,12 +14,19 @@ Everything the method adds lives here, each in one place:
 - `GPT.calibration_step`        per-step EMA of the calibration statistics   (SPEC §3)
 - `GPT.calibrate`               the calibrate event: c, s_tgt, γ̃ ← γ          (SPEC §2–§4)
 - `aux_loss`                    the scale-anchor loss L_aux on h before ln_f  (SPEC §4)
+- `TaperScale`, `GPT.unfused`   g = 0 kept as one precomputed multiply         (SPEC §5)
+- `GPTConfig.folded`            a model whose tapered norms fold.py merged away (SPEC §5)
+
+Inference uses a static, preallocated KV cache (`KVCache`, `GPT.setup_caches`, as in
+gpt-fast): a prefill of the prompt, then one-token decode steps whose tensor shapes never
+change, the position given as a tensor, so a compiled decode step never recompiles.
 
 Module names follow GPT-2 (transformer.wte/wpe/h.N.ln_1/attn.c_attn/...), so GPT-2 weights
 load into this class unchanged.
 """
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,6 +53,7 @@ class GPTConfig:
     taper: str = 'none'         # 'none' (baseline) | 'internal' (ln_1, ln_2) | 'all' (+ ln_f)
     aux_weight: float = 0.0     # λ of L_aux (SPEC §4); 0 disables it
     norm_eps: float = 1e-5      # ε, passed explicitly to every norm
+    folded: bool = False        # the tapered norms were folded into the next linear layers (fold.py)
 
     def __post_init__(self):
         if self.norm not in NORMS:
@@ -59,6 +67,12 @@ class GPTConfig:
         if self.aux_weight > 0 and self.taper == 'none':
             raise ValueError("aux_weight > 0 needs taper='internal' or 'all': the baseline's "
                              "final norm already anchors the scale; set aux_weight=0")
+        if self.folded and self.taper == 'none':
+            raise ValueError("folded=True needs taper='internal' or 'all': only tapered norms fold")
+
+    def untied_head(self):
+        """True when ln_f was folded into the LM head, which then has its own weight (SPEC §5)."""
+        return self.folded and self.taper == 'all'
 
 
 @dataclass
@@ -100,6 +114,18 @@ def aux_loss(s, s_tgt, aux_weight):
     h, or P h for the LN kind), so it fixes the scale of h without steering its direction.
     """
     return aux_weight * (s - s_tgt).pow(2).mean()
+
+
+def sample_next(logits, temperature=1.0, top_k=None, generator=None):
+    """Choose the next token from logits (B, V): argmax when temperature is 0, else a sample
+    of softmax(logits / temperature) restricted to the top_k largest. Returns (B, 1) ids."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float('-inf'))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
 
 
 class Norm(nn.Module):
@@ -174,6 +200,53 @@ class TaperNorm(Norm):
         return gate * self.normalize(h) + (1 - gate) * self.linear(h)
 
 
+class TaperScale(nn.Module):
+    """A TaperNorm at g = 0 kept as an explicit op: "unfused" inference (SPEC §5).
+
+    x ↦ x ⊙ a with a = c·γ̃ precomputed once, one elementwise multiply per token (LN kind:
+    (x − mean x) ⊙ a + β̃). Built by `GPT.unfused()` for inference; it does not train.
+    h: (..., d) -> (..., d).
+    """
+
+    def __init__(self, taper_norm):
+        super().__init__()
+        self.kind = taper_norm.kind
+        with torch.no_grad():
+            self.register_buffer('scale', taper_norm.c * taper_norm.weight_tilde)  # c·γ̃, (d,)
+            bias = taper_norm.bias_tilde
+            self.register_buffer('bias', None if bias is None else bias.detach().clone())  # β̃
+
+    def forward(self, h, gate=None):
+        y = norm_input(h, self.kind) * self.scale
+        return y if self.bias is None else y + self.bias
+
+
+def apply_norm(norm, x, gate):
+    """norm(x, gate), or x itself where fold.py merged the norm into the next linear layer."""
+    return x if norm is None else norm(x, gate)
+
+
+class KVCache(nn.Module):
+    """Static, preallocated keys and values of one attention layer (as in gpt-fast).
+
+    k_cache, v_cache: (B, n_head, T_max, head_dim), allocated once; `update` writes the new
+    positions in place, so every decode step sees tensors of the same shapes. Non-persistent:
+    never part of a checkpoint.
+    """
+
+    def __init__(self, batch_size, n_head, max_seq_len, head_dim, dtype, device):
+        super().__init__()
+        shape = (batch_size, n_head, max_seq_len, head_dim)
+        self.register_buffer('k_cache', torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer('v_cache', torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos, k, v):
+        """input_pos: (T,) positions; k, v: (B, n_head, T, head_dim). Returns the whole caches."""
+        self.k_cache.index_copy_(2, input_pos, k)
+        self.v_cache.index_copy_(2, input_pos, v)
+        return self.k_cache, self.v_cache
+
+
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
@@ -182,13 +255,18 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.kv_cache = None  # a KVCache, set by GPT.setup_caches
 
-    def forward(self, x):
+    def forward(self, x, input_pos=None, mask=None):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if input_pos is None:  # training / full forward: the sequence attends to itself
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        else:  # prefill or decode: attend to every cached position the mask (1, 1, T, T_max) allows
+            k, v = self.kv_cache.update(input_pos, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -214,9 +292,9 @@ class Block(nn.Module):
         self.ln_2 = make_norm()
         self.mlp = MLP(config)
 
-    def forward(self, x, gate):
-        x = x + self.attn(self.ln_1(x, gate))
-        x = x + self.mlp(self.ln_2(x, gate))
+    def forward(self, x, gate, input_pos=None, mask=None):
+        x = x + self.attn(apply_norm(self.ln_1, x, gate), input_pos, mask)
+        x = x + self.mlp(apply_norm(self.ln_2, x, gate))
         return x
 
 
@@ -225,6 +303,8 @@ class GPT(nn.Module):
 
     taper='internal' tapers ln_1 and ln_2 of every block; 'all' tapers ln_f too (SPEC §4).
     The model owns the one global gate g (buffer `gate`), the scale target s_tgt and its EMA.
+    With config.folded the tapered norms are absent (None: no op runs in their place), and
+    under All-Taper the LM head is untied from the token embedding (LN kind: with a bias).
     """
 
     def __init__(self, config):
@@ -234,6 +314,8 @@ class GPT(nn.Module):
 
         def make_norm(final=False):
             tapered = config.taper == 'all' or (config.taper == 'internal' and not final)
+            if tapered and config.folded:
+                return None  # merged into the next linear layer by fold.py
             return (TaperNorm if tapered else Norm)(config.n_embd, kind, config.bias, eps)
 
         self.transformer = nn.ModuleDict(dict(
@@ -243,8 +325,10 @@ class GPT(nn.Module):
             h=nn.ModuleList([Block(config, make_norm) for _ in range(config.n_layer)]),
             ln_f=make_norm(final=True),
         ))
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # tied (folding All-Taper unties them, SPEC §5)
+        head_bias = config.untied_head() and config.norm == 'layernorm' and config.bias  # W β̃
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=head_bias)
+        if not config.untied_head():  # folding ln_f gives the head its own weight W' (SPEC §5)
+            self.transformer.wte.weight = self.lm_head.weight
 
         self.register_buffer('gate', torch.ones(()))  # g, used only in the taper phase
         if config.taper != 'none':
@@ -255,6 +339,7 @@ class GPT(nn.Module):
             self.register_buffer('step_hidden_rms', torch.zeros(()), persistent=False)
             self.register_buffer('step_micro', torch.zeros(()), persistent=False)
         self.last_metrics = None
+        self.causal_mask = None  # (T_max, T_max) bool, with the KV caches (setup_caches)
         self.set_phase('baseline' if config.taper == 'none' else 'warmup')
 
         self.apply(self._init_weights)
@@ -366,7 +451,7 @@ class GPT(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, input_pos=None):
         """idx: (B, T) token ids, T <= block_size; targets: (B, T) ids or None (-1 = ignore).
 
         With targets: returns (logits (B, T, V), loss) where loss = cross-entropy + L_aux, and
@@ -374,14 +459,27 @@ class GPT(nn.Module):
         Without: returns (logits of the last position (B, 1, V), None).
         L_aux = λ · mean_tokens (s(h) − s_tgt)² on the residual stream h before the final norm
         (SPEC §4), active in the taper and linear phases when λ > 0.
+        input_pos: None for the ordinary causal forward, or the (T,) positions of idx to write
+        into and attend over the KV caches (prefill: 0..T−1; decode: one position), after
+        `setup_caches`. Positions are not range-checked here (that would sync with the host);
+        `generate` checks them.
+        Raises ValueError if T > block_size.
         """
         B, T = idx.size()
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        if input_pos is None:
+            pos, mask = torch.arange(T, dtype=torch.long, device=idx.device), None
+        else:
+            if self.causal_mask is None:
+                raise RuntimeError("forward(input_pos=...) needs KV caches: call setup_caches() first")
+            pos, mask = input_pos, self.causal_mask[None, None, input_pos]  # (1, 1, T, T_max)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
-            x = block(x, self.gate)
+            x = block(x, self.gate, input_pos, mask)
+
+        if targets is None:  # generation: no loss, no statistics, only the last position
+            return self.lm_head(apply_norm(self.transformer.ln_f, x[:, [-1], :], self.gate)), None
 
         tapering = self.config.taper != 'none'
         aux_on = tapering and self.config.aux_weight > 0 and self.phase in ('taper', 'linear')
@@ -393,11 +491,7 @@ class GPT(nn.Module):
                 self.step_micro += 1
         aux = aux_loss(s, self.s_tgt, self.config.aux_weight) if aux_on else None
 
-        x = self.transformer.ln_f(x, self.gate)
-        if targets is None:
-            return self.lm_head(x[:, [-1], :]), None  # only the last position: generation
-
-        logits = self.lm_head(x)  # (B, T, V)
+        logits = self.lm_head(apply_norm(self.transformer.ln_f, x, self.gate))  # (B, T, V)
         ce = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         ln_f = self.transformer.ln_f
         self.last_metrics = ForwardMetrics(
@@ -407,6 +501,97 @@ class GPT(nn.Module):
                              if isinstance(ln_f, TaperNorm) else None))
         # no `ce + 0` when L_aux is off: with inductor (torch 2.13) that loss came back without grad_fn
         return logits, ce + aux if aux_on else ce
+
+    # ---- inference ----------------------------------------------------------------------
+
+    def setup_caches(self, batch_size, max_seq_len):
+        """Allocate a static KV cache per layer, (batch_size, n_head, max_seq_len, head_dim),
+        in the dtype and device of the weights, and the (max_seq_len, max_seq_len) causal mask.
+
+        Raises ValueError if max_seq_len > block_size (the position embedding ends there).
+        """
+        cfg = self.config
+        if not 1 <= max_seq_len <= cfg.block_size:
+            raise ValueError(f"a KV cache of {max_seq_len} positions: the model's context "
+                             f"(block_size) allows 1 to {cfg.block_size}")
+        w = self.transformer.wte.weight
+        for block in self.transformer.h:
+            block.attn.kv_cache = KVCache(batch_size, cfg.n_head, max_seq_len, cfg.n_embd // cfg.n_head,
+                                          w.dtype, w.device)
+        self.causal_mask = torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=w.device).tril()
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True,
+                 return_logits=False, generator=None):
+        """Continue idx (B, T0) by max_new_tokens tokens; returns (B, T0 + max_new_tokens) ids.
+
+        temperature: 0 is greedy (argmax), else logits / temperature are sampled; top_k: keep
+        only the k most likely tokens (None: all). use_cache=True prefills the prompt into a
+        static KV cache and then decodes one token per step; use_cache=False recomputes the
+        whole sequence every step (the reference the cache is tested against).
+        return_logits: also return the fp32 logits each new token was chosen from, (B, N, V).
+        Raises ValueError when T0 + max_new_tokens > block_size (the limit is given).
+        """
+        B, T0 = idx.shape
+        total, limit = T0 + max_new_tokens, self.config.block_size
+        if total > limit:
+            raise ValueError(f"a prompt of {T0} tokens + {max_new_tokens} new tokens = {total} positions "
+                             f"exceeds the model's context of {limit}; ask for at most "
+                             f"{max(limit - T0, 0)} new tokens or shorten the prompt")
+        if use_cache:
+            self.setup_caches(B, total)
+            logits, _ = self(idx, input_pos=torch.arange(T0, device=idx.device))  # prefill
+        out, all_logits = idx, []
+        for t in range(T0, total):
+            if not use_cache:
+                logits, _ = self(out)
+            elif t > T0:  # decode: one token at position t − 1
+                logits, _ = self(out[:, -1:], input_pos=torch.tensor([t - 1], device=idx.device))
+            logits = logits[:, -1, :].float()  # (B, V)
+            all_logits.append(logits)
+            out = torch.cat([out, sample_next(logits, temperature, top_k, generator)], dim=1)
+        return (out, torch.stack(all_logits, dim=1)) if return_logits else out
+
+    @torch.no_grad()
+    def unfused(self):
+        """Replace every TaperNorm by a TaperScale holding c·γ̃: "unfused" inference (SPEC §5).
+
+        For inference only, in place; returns self. Raises RuntimeError unless the model is in
+        the linear phase (g = 0), where a TaperNorm is exactly that map.
+        """
+        if self.phase != 'linear':
+            raise RuntimeError(f"unfused() needs the linear phase (g = 0); this model is in phase "
+                               f"{self.phase!r} with g = {self.gate.item():.4g}")
+        for name, m in self.tapernorms():
+            parent = self.transformer.get_submodule(name.rpartition('.')[0]) if '.' in name else self.transformer
+            setattr(parent, name.rpartition('.')[2], TaperScale(m))
+        return self
+
+    def implied_phase(self):
+        """The phase the buffers imply, for a loaded checkpoint: 'baseline' (taper='none'),
+        'warmup' (not calibrated), 'taper' (g > 0) or 'linear' (g = 0; the taper phase never
+        has g = 0, SPEC §2)."""
+        if self.config.taper == 'none':
+            return 'baseline'
+        if not self.calibrated:
+            return 'warmup'
+        return 'taper' if self.gate.item() > 0 else 'linear'
+
+    @classmethod
+    def from_checkpoint(cls, path, device='cpu'):
+        """Load a train.py or fold.py checkpoint for inference: returns (model in eval mode,
+        in the phase its buffers imply, the checkpoint dict).
+
+        Raises FileNotFoundError naming the path when there is no file.
+        """
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"checkpoint {path!r} not found: train.py writes OUT_DIR/ckpt.pt, "
+                                    "fold.py writes its --out")
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+        model = cls(GPTConfig(**ckpt['model_args']))
+        model.load_state_dict(ckpt['model'])
+        model.set_phase(model.implied_phase())
+        return model.to(device).eval(), ckpt
 
     # ---- training helpers ---------------------------------------------------------------
 

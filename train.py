@@ -88,12 +88,9 @@ class ConfigError(ValueError):
     """A bad configuration: unknown key, wrong type or an invalid combination."""
 
 
-def _check_type(key, value, where):
-    default = DEFAULTS[key]
-    if key == 'compile':  # the one key with two types
-        if value == 'auto' or isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where}: compile={value!r}: use 'auto', True or False")
+def check_type(defaults, key, value, where):
+    """Return value if it has the type of defaults[key] (an int passes for a float), else raise ConfigError."""
+    default = defaults[key]
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if type(value) is not type(default):
@@ -102,16 +99,25 @@ def _check_type(key, value, where):
     return value
 
 
-def load_config(args):
-    """Defaults, then config files and --key=value overrides in the order given.
+def _check_train_type(defaults, key, value, where):
+    if key == 'compile':  # the one key with two types
+        if value == 'auto' or isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: compile={value!r}: use 'auto', True or False")
+    return check_type(defaults, key, value, where)
+
+
+def parse_args(args, defaults, check=check_type):
+    """nanoGPT-style configuration shared by every script: defaults, then config files and
+    --key=value overrides in the order given. Returns a new dict.
 
     args: e.g. ['config/tinystories_all_taper.py', 'config/cpu.py', '--max_iters=200'].
     A config file is executed with the current values as its namespace (so an overlay can
-    derive values from earlier ones) and `__file__` set. Returns a SimpleNamespace.
-    Raises ConfigError naming the key for an unknown key, a wrong type, a missing file,
-    or an invalid combination (see validate_config).
+    derive values from earlier ones) and `__file__` set. A value is read as a Python literal,
+    or else as a bare string (--dataset=austen). Raises ConfigError naming the key for an
+    unknown key, a wrong type (check(defaults, key, value, where)) or a missing file.
     """
-    cfg = dict(DEFAULTS)
+    cfg = dict(defaults)
     for arg in args:
         if arg.startswith('--'):
             key, eq, text = arg[2:].partition('=')
@@ -123,7 +129,7 @@ def load_config(args):
                 value = ast.literal_eval(text)
             except (SyntaxError, ValueError):
                 value = text  # a bare word is a string: --dataset=austen
-            cfg[key] = _check_type(key, value, arg)
+            cfg[key] = check(defaults, key, value, arg)
         else:
             if not os.path.isfile(arg):
                 hint = f"; did you mean --{arg}?" if '=' in arg else " (run from the repository root)"
@@ -136,7 +142,16 @@ def load_config(args):
                     continue
                 if key not in cfg:
                     raise ConfigError(f"unknown config key {key!r} set in {arg}")
-                cfg[key] = _check_type(key, value, arg)
+                cfg[key] = check(defaults, key, value, arg)
+    return cfg
+
+
+def load_config(args):
+    """train.py's configuration: parse_args over the defaults above, then out_dir's {key}
+    placeholders are filled and the combination is validated. Returns a SimpleNamespace.
+    Raises ConfigError naming the key (see parse_args and validate_config).
+    """
+    cfg = parse_args(args, DEFAULTS, _check_train_type)
     try:  # out_dir may name other keys, resolved after every override: 'out-{dataset}-{taper}'
         cfg['out_dir'] = cfg['out_dir'].format(**cfg)
     except (KeyError, ValueError, IndexError) as e:

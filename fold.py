@@ -1,0 +1,163 @@
+"""
+Fold the tapered norms of a linear-phase checkpoint into the next linear layers (SPEC §5).
+
+    python fold.py --ckpt=out-cpu-austen-internal-aux0.1/ckpt.pt --out=internal-folded.pt
+
+At g = 0 a tapered norm is the fixed map x ↦ c·x⊙γ̃ (LN kind: c·(P x)⊙γ̃ + β̃, P x = x − mean x).
+For the linear layer y = W x + b that reads its output (W stored (out, in), as nn.Linear does):
+
+    RMS kind:  W' = W · diag(c·γ̃)
+    LN kind:   W' = A − A.mean(dim=1, keepdim=True),  A = W · diag(c·γ̃);   b' = b + W β̃
+
+ln_1 folds into attn.c_attn, ln_2 into mlp.c_fc, and (All-Taper) ln_f into the LM head, which
+then gets its own weight: the token embedding keeps the old one. The folded model
+(model_args['folded'] = True) runs no normalization op where the tapered norms were.
+
+The script checks its work: it prints the largest |Δ logit| between the unfolded model at
+g = 0 and the folded one on a batch of validation tokens (random tokens when the dataset is not
+on disk), and the parameter and byte counts before and after.
+"""
+
+import os
+import sys
+
+import numpy as np
+import torch
+
+from model import GPT, GPTConfig
+from train import ConfigError, parse_args, save_checkpoint
+
+# -----------------------------------------------------------------------------
+ckpt = ''           # a train.py checkpoint in the linear phase (g = 0)
+out = ''            # where to write the folded checkpoint
+device = 'cpu'      # for the logit check
+batch_size = 4      # sequences of block_size tokens in the logit check
+seed = 1337         # picks the check's windows (or its random tokens)
+# -----------------------------------------------------------------------------
+DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, str))}
+
+FOLD_INTO = {'ln_1': 'attn.c_attn', 'ln_2': 'mlp.c_fc', 'ln_f': 'lm_head'}  # a norm -> the layer it feeds
+NORM_KEYS = ('weight', 'bias', 'weight_tilde', 'bias_tilde', 'c', 'calib_num', 'calib_den')
+
+
+class FoldError(ValueError):
+    """A checkpoint that cannot be folded; the message says why and what to do."""
+
+
+def fold_pairs(model_args):
+    """State-dict prefixes (norm, linear layer) of every tapered norm, in forward order."""
+    pairs = [(f'transformer.h.{i}.{ln}', f'transformer.h.{i}.{FOLD_INTO[ln]}')
+             for i in range(model_args['n_layer']) for ln in ('ln_1', 'ln_2')]
+    if model_args['taper'] == 'all':
+        pairs.append(('transformer.ln_f', FOLD_INTO['ln_f']))
+    return pairs
+
+
+@torch.no_grad()
+def fold_state_dict(state_dict, model_args):
+    """Fold every tapered norm into the linear layer after it (SPEC §5), computing in fp32.
+
+    state_dict: a GPT state dict in the linear phase (buffer gate = 0, calibrated);
+    model_args: its GPTConfig fields. Returns (new state dict, new model_args with
+    folded=True); the inputs are not modified and the tensors keep their dtypes.
+    Raises FoldError for a model with nothing tapered, an already folded one, or one whose
+    gate is not 0 (its phase and g are named).
+    """
+    if model_args.get('folded'):
+        raise FoldError("this checkpoint is already folded: pass the checkpoint train.py wrote")
+    if model_args['taper'] == 'none':
+        raise FoldError("nothing to fold: the checkpoint is a baseline (taper='none'); its norms "
+                        "normalize every token. Train with --taper=internal or --taper=all")
+    g = state_dict['gate'].item()
+    if not state_dict['calibrated'].item() or g != 0:
+        phase = 'taper' if state_dict['calibrated'].item() else 'warmup'
+        raise FoldError(f"the checkpoint is in the {phase} phase (g = {g:.6g}); only the linear "
+                        "phase (g = 0) folds exactly. Train past gate_warmup_iters + taper_iters: "
+                        "the ckpt.pt of a finished run is in the linear phase")
+    sd = dict(state_dict)
+    layernorm = model_args['norm'] == 'layernorm'
+    for norm, linear in fold_pairs(model_args):
+        a = sd[f'{norm}.c'].float() * sd[f'{norm}.weight_tilde'].float()  # c·γ̃, (in,)
+        W = sd[f'{linear}.weight']
+        A = W.float() * a  # W · diag(c·γ̃): scales the columns
+        if layernorm:  # absorb P = I − 11ᵀ/d: every row of W' sums to zero
+            A = A - A.mean(dim=1, keepdim=True)
+        sd[f'{linear}.weight'] = A.to(W.dtype)  # a new tensor: a tied embedding keeps its weight
+        beta = sd.get(f'{norm}.bias_tilde')
+        if beta is not None:  # LN kind with bias: b' = b + W β̃, with the original W
+            b = sd.get(f'{linear}.bias')
+            shift = W.float() @ beta.float()
+            sd[f'{linear}.bias'] = (shift if b is None else b.float() + shift).to(W.dtype)
+        for key in NORM_KEYS:
+            sd.pop(f'{norm}.{key}', None)
+    return sd, dict(model_args, folded=True)
+
+
+def model_size(model):
+    """(parameters, bytes of the state dict), each shared tensor counted once."""
+    params = sum(p.numel() for p in model.parameters())
+    tensors = {t.data_ptr(): t for t in model.state_dict().values()}
+    return params, sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def check_tokens(ckpt_dict, batch_size, seed):
+    """A (batch_size, block_size) batch of val tokens from the checkpoint's dataset, or random
+    tokens when that val.bin is not on disk. Returns (tokens, where they came from)."""
+    args, cfg = ckpt_dict['model_args'], ckpt_dict.get('config', {})
+    T, rng = args['block_size'], np.random.default_rng(seed)
+    path = os.path.join(cfg.get('data_dir', 'data'), cfg.get('dataset', ''), 'val.bin')
+    if os.path.isfile(path):
+        data = np.memmap(path, dtype=np.uint16, mode='r')
+        if len(data) >= T:
+            ix = rng.integers(len(data) - T + 1, size=batch_size)
+            return torch.from_numpy(np.stack([data[i:i + T] for i in ix]).astype(np.int64)), path
+    return torch.from_numpy(rng.integers(args['vocab_size'], size=(batch_size, T))), 'random tokens'
+
+
+def main(argv):
+    """Fold --ckpt into --out and print the check; returns the report as a dict."""
+    try:
+        cfg = parse_args(argv, DEFAULTS)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}")
+    if not cfg['ckpt'] or not cfg['out']:
+        raise SystemExit("usage: python fold.py --ckpt=OUT_DIR/ckpt.pt --out=FOLDED.pt")
+    if os.path.abspath(cfg['ckpt']) == os.path.abspath(cfg['out']):
+        raise SystemExit("--out must differ from --ckpt: folding keeps the trained checkpoint")
+    try:
+        unfolded, ck = GPT.from_checkpoint(cfg['ckpt'], cfg['device'])
+        sd, args = fold_state_dict(ck['model'], ck['model_args'])
+    except (FileNotFoundError, FoldError) as e:
+        raise SystemExit(f"cannot fold {cfg['ckpt']}: {e}")
+    folded = GPT(GPTConfig(**args))
+    folded.load_state_dict(sd)
+    folded.set_phase(folded.implied_phase())
+    folded.to(cfg['device']).eval()
+
+    tokens, source = check_tokens(ck, cfg['batch_size'], cfg['seed'])
+    tokens = tokens.to(cfg['device'])
+    with torch.no_grad():
+        before, _ = unfolded(tokens, tokens)  # with targets: the logits of every position
+        after, _ = folded(tokens, tokens)
+    diff = (before.float() - after.float()).abs().max().item()
+    scale = before.float().abs().max().item()
+
+    out_ckpt = {k: v for k, v in ck.items() if k != 'optimizer'}  # the optimizer state is for training
+    out_ckpt.update(model=folded.state_dict(), model_args=args, folded_from=os.path.abspath(cfg['ckpt']))
+    save_checkpoint(out_ckpt, cfg['out'])
+
+    (p0, b0), (p1, b1) = model_size(unfolded), model_size(folded)
+    names = [n for n, _ in fold_pairs(ck['model_args'])]
+    print(f"folded {len(names)} {ck['model_args']['norm']} norms ({ck['model_args']['taper']}-taper): "
+          f"{names[0].removeprefix('transformer.')} .. {names[-1].removeprefix('transformer.')}")
+    print(f"max |Δ logit| unfolded (g = 0) vs folded: {diff:.3e}  (max |logit| {scale:.2f}; "
+          f"{tokens.numel():,} positions of {source})")
+    print(f"parameters {p0:,} -> {p1:,} ({p1 - p0:+,}) | bytes {b0:,} -> {b1:,} ({b1 - b0:+,})")
+    if ck['model_args']['taper'] == 'all':
+        print("the LM head now has its own weight (untied from the token embedding)")
+    print(f"wrote {cfg['out']}")
+    return dict(max_abs_logit_diff=diff, max_abs_logit=scale, params=(p0, p1), bytes=(b0, b1))
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])

@@ -1,0 +1,93 @@
+"""
+Sample from a trained (or folded) checkpoint with the static KV cache.
+
+    python sample.py --ckpt=out-cpu-austen-internal-aux0.1/ckpt.pt --start="It was"
+    python sample.py --ckpt=internal-folded.pt --start=FILE:prompt.txt --num_samples=3 --temperature=0
+
+Text goes through the dataset's compact vocabulary (meta.json, stored in the checkpoint):
+GPT-2 BPE ids outside it become <unk>. temperature=0 is greedy decoding; top_k=0 keeps every
+token. max_new_tokens=0 fills the checkpoint's context (block_size) after the prompt.
+"""
+
+import sys
+import torch
+
+from data.common import decode, encode
+from model import GPT
+from train import ConfigError, parse_args
+
+# -----------------------------------------------------------------------------
+ckpt = ''                   # a train.py or fold.py checkpoint
+start = '\n'                # the prompt, or FILE:path to read it from a file
+num_samples = 3
+max_new_tokens = 0          # 0: as many as the context allows after the prompt
+temperature = 0.8           # 0: greedy; higher: more random
+top_k = 200                 # keep only the top_k most likely tokens; 0: all
+seed = 1337
+device = 'auto'             # 'auto' (cuda if available, else cpu) | 'cpu' | 'cuda' ...
+dtype = 'auto'              # 'auto' (bfloat16 weights on CUDA where supported, else float32) | 'float32' | 'bfloat16'
+compile = False             # torch.compile the model (worth it on a GPU for long samples)
+# -----------------------------------------------------------------------------
+DEFAULTS = {k: v for k, v in globals().items()
+            if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
+
+
+def read_prompt(start):
+    """The prompt text: `start` itself, or the contents of the file after 'FILE:'."""
+    if not start.startswith('FILE:'):
+        return start
+    path = start[len('FILE:'):]
+    try:
+        with open(path, encoding='utf-8') as f:
+            return f.read()
+    except OSError as e:
+        raise SystemExit(f"--start={start}: cannot read the prompt file ({e.strerror})")
+
+
+def main(argv):
+    """Print num_samples continuations of the prompt; returns them as a list of strings."""
+    try:
+        cfg = parse_args(argv, DEFAULTS)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}")
+    if not cfg['ckpt']:
+        raise SystemExit("usage: python sample.py --ckpt=OUT_DIR/ckpt.pt [--start=...]")
+    if cfg['temperature'] < 0 or cfg['top_k'] < 0 or cfg['num_samples'] < 1 or cfg['max_new_tokens'] < 0:
+        raise SystemExit("need temperature >= 0, top_k >= 0, num_samples >= 1, max_new_tokens >= 0")
+    dev = ('cuda' if torch.cuda.is_available() else 'cpu') if cfg['device'] == 'auto' else cfg['device']
+    dt = cfg['dtype']
+    if dt == 'auto':
+        dt = 'bfloat16' if dev.startswith('cuda') and torch.cuda.is_bf16_supported() else 'float32'
+    torch.manual_seed(cfg['seed'])
+
+    try:
+        model, ck = GPT.from_checkpoint(cfg['ckpt'], dev)
+    except FileNotFoundError as e:
+        raise SystemExit(str(e))
+    if model.phase == 'linear' and not model.config.folded:
+        model.unfused()  # g = 0: the tapered norms are one multiply each
+    model.to(dtype=getattr(torch, dt))  # inference in the weights' dtype: the KV cache takes it too
+    if cfg['compile']:
+        model.compile()  # in place: generate()'s calls run compiled (prefill once, decode steps once)
+    meta = ck['meta']
+    prompt = encode(read_prompt(cfg['start']), meta)
+    if not prompt:
+        raise SystemExit("the prompt is empty: give at least one character with --start")
+    block_size = ck['model_args']['block_size']
+    new = cfg['max_new_tokens'] or block_size - len(prompt)
+    if len(prompt) + new > block_size:
+        raise SystemExit(f"a prompt of {len(prompt)} tokens + {new} new tokens exceeds the checkpoint's "
+                         f"context of {block_size}: use --max_new_tokens={max(block_size - len(prompt), 0)} "
+                         "or less, or a shorter prompt")
+    idx = torch.tensor([prompt], dtype=torch.long, device=dev)
+    samples = []
+    for _ in range(cfg['num_samples']):
+        out = model.generate(idx, new, temperature=cfg['temperature'], top_k=cfg['top_k'] or None)
+        samples.append(decode(out[0].tolist(), meta))
+        print(samples[-1])
+        print('---------------')
+    return samples
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])
