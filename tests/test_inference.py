@@ -1,0 +1,240 @@
+"""KV-cached decoding, unfused and folded inference, fold.py and sample.py (SPEC §5)."""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import fold
+import sample
+import train
+from model import GPT, GPTConfig, TaperNorm, TaperScale
+
+KINDS = ['rmsnorm', 'layernorm']
+TAPERS = ['internal', 'all']
+
+
+def linear_phase(kind='rmsnorm', taper='internal', bias=True, seed=0, block_size=64):
+    """A model in the linear phase (g = 0) with c, γ̃, β̃ far from their defaults, and weights
+    large enough that greedy decoding is decisive, not a tie-break among near-equal logits."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(block_size=block_size, vocab_size=96, n_layer=2, n_head=2, n_embd=32,
+                          norm=kind, taper=taper, bias=bias))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 or name.endswith('bias'):
+                p.normal_(0, 0.3)
+            else:  # gains γ, around 1
+                p.copy_(torch.exp(0.5 * torch.randn_like(p)))
+        if taper != 'none':
+            for _, m in model.tapernorms():
+                m.weight_tilde.copy_(torch.exp(0.5 * torch.randn_like(m.weight_tilde)))
+                m.c.fill_(0.3 + torch.rand(()).item())
+                if m.bias_tilde is not None:
+                    m.bias_tilde.normal_(0, 0.3)
+            model.calibrated.fill_(True)
+            model.set_phase('linear')
+            model.set_gate(0.0)
+    return model.eval()
+
+
+def folded_copy(model):
+    sd, args = fold.fold_state_dict(model.state_dict(), vars(model.config))
+    folded = GPT(GPTConfig(**args))
+    folded.load_state_dict(sd)
+    folded.set_phase(folded.implied_phase())
+    return folded.eval()
+
+
+# ---- KV cache -------------------------------------------------------------------------
+
+@pytest.mark.parametrize('taper', ['none', 'internal', 'all'])
+def test_kv_cache_greedy_decoding_equals_full_recompute(taper):
+    model = linear_phase(taper=taper)
+    prompt = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    cached, cached_logits = model.generate(prompt, 50, temperature=0, return_logits=True)
+    full, full_logits = model.generate(prompt, 50, temperature=0, use_cache=False, return_logits=True)
+    assert torch.equal(cached, full)
+    tol = 1e-5 * full_logits.abs().max().item()  # All-Taper logits reach the hundreds here
+    assert_close(cached_logits, full_logits, rtol=1e-5, atol=tol)
+
+    # teacher-forced through the cache on random tokens (greedy paths may settle on one token)
+    seq = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(2))
+    full_logits, _ = model(seq, seq)
+    model.setup_caches(2, 40)
+    steps = [model(seq[:, :5], input_pos=torch.arange(5))[0]]
+    steps += [model(seq[:, [t]], input_pos=torch.tensor([t]))[0] for t in range(5, 40)]
+    assert_close(torch.cat(steps, dim=1), full_logits[:, 4:], rtol=1e-5, atol=tol)
+
+
+def test_training_forward_ignores_the_caches():
+    model = linear_phase(taper='all')
+    x = torch.randint(0, 96, (2, 16))
+    before, _ = model(x, x)
+    model.setup_caches(2, 32)
+    after, _ = model(x, x)
+    assert torch.equal(before, after)
+    assert 'transformer.h.0.attn.kv_cache.k_cache' not in model.state_dict()
+
+
+def test_positions_beyond_the_context_are_refused_with_the_limit():
+    model = linear_phase(block_size=64)
+    with pytest.raises(ValueError, match='context of 64; ask for at most 54 new tokens'):
+        model.generate(torch.zeros(1, 10, dtype=torch.long), 55)
+    with pytest.raises(ValueError, match='allows 1 to 64'):
+        model.setup_caches(1, 65)
+    with pytest.raises(RuntimeError, match='setup_caches'):
+        GPT(GPTConfig(block_size=8, vocab_size=8, n_layer=1, n_head=1, n_embd=8))(
+            torch.zeros(1, 1, dtype=torch.long), input_pos=torch.zeros(1, dtype=torch.long))
+
+
+def test_compiled_decode_step_never_recompiles():
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    model = linear_phase(taper='internal')
+    counter = CompileCounter()
+    step = torch.compile(model, backend=counter, fullgraph=True)
+    model.setup_caches(1, 40)
+    step(torch.zeros(1, 8, dtype=torch.long), input_pos=torch.arange(8))  # prefill
+    frames = []
+    for pos in range(8, 40):
+        step(torch.zeros(1, 1, dtype=torch.long), input_pos=torch.tensor([pos]))
+        frames.append(counter.frame_count)
+    assert frames == [frames[0]] * len(frames) and frames[0] <= 2
+    torch._dynamo.reset()
+
+
+def test_sampling_respects_top_k_and_temperature():
+    from model import sample_next
+    logits = torch.tensor([[0.0, 5.0, 4.0, -1.0]]).repeat(500, 1)
+    g = torch.Generator().manual_seed(0)
+    picks = sample_next(logits, temperature=1.0, top_k=2, generator=g)
+    assert set(picks.view(-1).tolist()) == {1, 2}
+    assert torch.equal(sample_next(logits, temperature=0), torch.ones(500, 1, dtype=torch.long))
+
+
+# ---- unfused and folded ---------------------------------------------------------------
+
+@pytest.mark.parametrize('kind', KINDS)
+@pytest.mark.parametrize('taper', TAPERS)
+def test_unfused_and_folded_logits_equal_the_linear_phase(kind, taper):
+    model = linear_phase(kind, taper)
+    x = torch.randint(0, 96, (3, 64))
+    with torch.no_grad():
+        reference, _ = model(x, x)
+        folded, _ = folded_copy(model)(x, x)
+        unfused, _ = model.unfused()(x, x)
+    scale = reference.abs().max().item()
+    assert scale > 2  # logits far from zero: a wrong fold would show
+    assert_close(folded, reference, rtol=1e-5, atol=1e-5 * scale)
+    assert_close(unfused, reference, rtol=1e-5, atol=1e-5 * scale)
+    assert not any(isinstance(m, TaperNorm) for m in model.modules())
+    assert sum(isinstance(m, TaperScale) for m in model.modules()) == 4 + (taper == 'all')
+
+
+@pytest.mark.parametrize('taper', TAPERS)
+def test_folded_model_has_no_norm_where_the_tapered_ones_were(taper):
+    folded = folded_copy(linear_phase('layernorm', taper))
+    blocks = folded.transformer.h
+    assert all(b.ln_1 is None and b.ln_2 is None for b in blocks)
+    assert (folded.transformer.ln_f is None) == (taper == 'all')
+    assert not [n for n, _ in folded.named_modules() if n.endswith(('ln_1', 'ln_2'))]
+
+
+@pytest.mark.parametrize('taper', TAPERS)
+def test_layernorm_fold_rows_sum_to_zero_and_bias_uses_the_original_weight(taper):
+    model = linear_phase('layernorm', taper)
+    sd, _ = fold.fold_state_dict(model.state_dict(), vars(model.config))
+    names = ['transformer.h.0.attn.c_attn', 'transformer.h.1.mlp.c_fc'] + (['lm_head'] if taper == 'all' else [])
+    for name in names:
+        W = sd[f'{name}.weight']
+        assert W.sum(dim=1).abs().max() < 1e-5 * W.abs().max() * W.size(1)
+    ln, lin = model.transformer.h[0].ln_1, model.transformer.h[0].attn.c_attn
+    with torch.no_grad():
+        assert_close(sd['transformer.h.0.attn.c_attn.bias'], lin.bias + lin.weight @ ln.bias_tilde)
+
+
+def test_folded_head_is_untied_and_stays_untied_through_a_checkpoint(tmp_path):
+    model = linear_phase('layernorm', 'all')
+    folded = folded_copy(model)
+    wte, head = folded.transformer.wte.weight, folded.lm_head.weight
+    assert wte is not head and not torch.equal(wte, head)
+    assert torch.equal(wte, model.transformer.wte.weight)  # the embedding keeps its weight
+    assert folded.lm_head.bias is not None  # W β̃ of the folded LN
+    path = str(tmp_path / 'folded.pt')
+    train.save_checkpoint({'model': folded.state_dict(), 'model_args': vars(folded.config)}, path)
+    loaded, _ = GPT.from_checkpoint(path)
+    assert loaded.lm_head.weight is not loaded.transformer.wte.weight
+    assert torch.equal(loaded.lm_head.weight, head) and torch.equal(loaded.transformer.wte.weight, wte)
+    assert loaded.phase == 'linear'
+    x = torch.randint(0, 96, (2, 64))
+    with torch.no_grad():
+        assert torch.equal(loaded(x, x)[0], folded(x, x)[0])
+
+
+def test_fold_refuses_what_it_cannot_fold():
+    baseline = linear_phase(taper='none')
+    with pytest.raises(fold.FoldError, match='baseline'):
+        fold.fold_state_dict(baseline.state_dict(), vars(baseline.config))
+    model = linear_phase(taper='all')
+    folded = folded_copy(model)
+    with pytest.raises(fold.FoldError, match='already folded'):
+        fold.fold_state_dict(folded.state_dict(), vars(folded.config))
+    model.set_phase('taper')
+    model.set_gate(0.25)
+    with pytest.raises(fold.FoldError, match=r'taper phase \(g = 0.25\)'):
+        fold.fold_state_dict(model.state_dict(), vars(model.config))
+    warm = GPT(GPTConfig(block_size=8, vocab_size=8, n_layer=1, n_head=1, n_embd=8, taper='internal'))
+    with pytest.raises(fold.FoldError, match=r'warmup phase \(g = 1\)'):
+        fold.fold_state_dict(warm.state_dict(), vars(warm.config))
+
+
+# ---- the scripts, end to end ----------------------------------------------------------
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+    """A real (tiny) dataset through data/text/prepare.py and a run that ends in the linear phase."""
+    from data.text import prepare
+    root = tmp_path_factory.mktemp('e2e')
+    words = 'the cat sat on a mat and then it ran away very quickly said Emma to her sister'.split()
+    rng = torch.Generator().manual_seed(0)
+    lines = [' '.join(words[i] for i in torch.randint(0, len(words), (9,), generator=rng).tolist())
+             for _ in range(400)]
+    (root / 'corpus.txt').write_text('.\n'.join(lines))
+    prepare.main([f'--input={root / "corpus.txt"}', '--vocab_size=64', f'--out_dir={root / "data" / "words"}'])
+    out = root / 'run'
+    train.main([f'--data_dir={root / "data"}', '--dataset=words', f'--out_dir={out}', '--device=cpu',
+                '--compile=False', '--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32',
+                '--batch_size=4', '--gradient_accumulation_steps=1', '--taper=all', '--aux_weight=0.1',
+                '--max_iters=20', '--gate_warmup_iters=5', '--taper_iters=8', '--warmup_iters=2',
+                '--lr_decay_iters=20', '--learning_rate=3e-3', '--eval_interval=10', '--eval_iters=1',
+                '--log_interval=10'])
+    return out / 'ckpt.pt'
+
+
+def test_fold_and_sample_scripts_end_to_end(trained, tmp_path, capsys):
+    out = tmp_path / 'folded.pt'
+    report = fold.main([f'--ckpt={trained}', f'--out={out}'])
+    assert report['max_abs_logit_diff'] < 1e-4 * max(1.0, report['max_abs_logit'])
+    assert report['params'][1] > report['params'][0]  # All-Taper: the untied head adds V·d
+    assert 'untied' in capsys.readouterr().out
+    args = ['--start=the cat', '--num_samples=2', '--max_new_tokens=12', '--temperature=0', '--device=cpu']
+    raw = sample.main([f'--ckpt={trained}'] + args)
+    folded = sample.main([f'--ckpt={out}'] + args)
+    assert raw == folded and raw[0].startswith('the cat') and len(raw[0]) > len('the cat')
+    prompt = tmp_path / 'prompt.txt'
+    prompt.write_text('the mat')
+    text = sample.main([f'--ckpt={out}', f'--start=FILE:{prompt}', '--num_samples=1', '--temperature=0.8',
+                        '--top_k=5'])
+    assert text[0].startswith('the mat') and len(text[0]) > 50  # max_new_tokens=0 fills the context
+    with pytest.raises(SystemExit, match='already folded'):
+        fold.main([f'--ckpt={out}', f'--out={tmp_path / "twice.pt"}'])
+
+
+def test_sample_errors_name_the_fix(trained, tmp_path):
+    with pytest.raises(SystemExit, match='not found'):
+        sample.main([f'--ckpt={tmp_path / "missing.pt"}'])
+    with pytest.raises(SystemExit, match='--max_new_tokens=30 or less'):
+        sample.main([f'--ckpt={trained}', '--start=the cat', '--max_new_tokens=31'])
+    with pytest.raises(SystemExit, match='cannot read the prompt file'):
+        sample.main([f'--ckpt={trained}', f'--start=FILE:{tmp_path / "nope.txt"}'])
