@@ -37,6 +37,9 @@ import torch.nn.functional as F
 NORMS = ('rmsnorm', 'layernorm')
 TAPERS = ('none', 'internal', 'all')
 PHASES = ('warmup', 'taper', 'linear')  # 'baseline' is the phase of a model with taper='none'
+# the model ladder of SPEC §6 (vocabulary 10k, context 512, tied head), shared by config/ and bench.py
+LADDER = {'1M': dict(n_layer=8, n_embd=64, n_head=2), '3M': dict(n_layer=8, n_embd=128, n_head=4),
+          '9M': dict(n_layer=8, n_embd=256, n_head=4), '30M': dict(n_layer=8, n_embd=512, n_head=8)}
 CALIB_DECAY = 0.99  # ρ: EMA decay per optimizer step of the calibration statistics (SPEC §3)
 
 
@@ -339,7 +342,7 @@ class GPT(nn.Module):
             self.register_buffer('step_hidden_rms', torch.zeros(()), persistent=False)
             self.register_buffer('step_micro', torch.zeros(()), persistent=False)
         self.last_metrics = None
-        self.causal_mask = None  # (T_max, T_max) bool, with the KV caches (setup_caches)
+        self.register_buffer('causal_mask', None, persistent=False)  # (T_max, T_max) bool, by setup_caches
         self.set_phase('baseline' if config.taper == 'none' else 'warmup')
 
         self.apply(self._init_weights)

@@ -7,7 +7,7 @@ from torch.overrides import TorchFunctionMode
 from torch.testing import assert_close
 
 import train
-from model import CALIB_DECAY, GPT, GPTConfig, Norm, TaperNorm, aux_loss, norm_scale
+from model import CALIB_DECAY, GPT, LADDER, GPTConfig, Norm, TaperNorm, aux_loss, norm_scale
 
 KINDS = ['rmsnorm', 'layernorm']
 
@@ -219,10 +219,15 @@ def test_phase_paths_and_trainable_gains():
 
 
 def test_the_ladder_parameter_counts():
-    """SPEC §6: 8 layers, 10k vocabulary, context 512, tied, GPT-2 biases."""
-    for n_embd, n_head, millions in [(64, 2, 1.07), (128, 4, 2.93), (256, 4, 9.01), (512, 8, 30.6)]:
-        m = GPT(GPTConfig(block_size=512, vocab_size=10000, n_layer=8, n_head=n_head, n_embd=n_embd))
-        assert round(m.num_params() / 1e6, 2 if millions < 10 else 1) == millions
+    """SPEC §6: 8 layers, 10k vocabulary, context 512, tied, GPT-2 biases; config/ uses its rows."""
+    millions = {'1M': 1.07, '3M': 2.93, '9M': 9.01, '30M': 30.6}
+    for size, row in LADDER.items():
+        m = GPT(GPTConfig(block_size=512, vocab_size=10000, **row))
+        assert round(m.num_params() / 1e6, 2 if millions[size] < 10 else 1) == millions[size]
+    for config_files, size in [(['config/tinystories_baseline.py'], '9M'),
+                               (['config/tinystories_all_taper.py', 'config/cpu.py'], '1M')]:
+        cfg = vars(train.load_config(config_files))
+        assert {k: cfg[k] for k in LADDER[size]} == LADDER[size]
 
 
 def test_config_rejects_bad_values():

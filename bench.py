@@ -1,0 +1,434 @@
+"""
+KV-cached decoding throughput: RMSNorm baseline vs TaperNorm unfused vs folded (SPEC §5, §6).
+
+    python bench.py                                   # 9M, batch 1, eager and compiled
+    python bench.py --size=30M --batch_size=8 --compile=compiled
+    python bench.py --ckpt=internal-folded.pt         # also time a real checkpoint
+    python bench.py --mode=last_token                 # the paper's v1 microbenchmark (no cache)
+    python bench.py --profile=True                    # + a torch.profiler table of one decode step
+
+Variants, one architecture, the same random weights, no training:
+    baseline           RMSNorm everywhere, torch's fused F.rms_norm
+    internal_unfused   Internal-Taper at g = 0: ln_1, ln_2 are one multiply by c·γ̃; real final RMSNorm
+    internal_folded    the same model folded by fold.py's code: no ln_1, ln_2 at all; final RMSNorm
+    all_folded         All-Taper folded: no norm anywhere, LM head untied (the upper bound)
+The tapered variants come from TaperNorm models calibrated on random tokens, set to the linear
+phase, with γ̃ spread around 1, so the benchmark times the artifact a user gets.
+
+Correctness gate, before any timing, in fp32: internal_unfused and internal_folded (and all_folded
+against its unfolded model) agree on teacher-forced logits within GATE_RTOL of the largest logit,
+and on the first GATE_TOKENS greedy tokens, eager and (if timed) compiled. Otherwise no speed is
+reported.
+
+Decode: --prompt_len tokens are prefilled (time to first token, TTFT), then --new_tokens one-token
+decode steps. tokens/s = batch_size · new_tokens / decode time. The median over --trials trials
+after one warm-up trial (which includes any compilation, reported apart), the variants
+interleaved (A B C D A B C D ...) so that machine drift hits all alike. GB/s is the bytes one
+decode step must read (weights, the LM head once, batch_size embedding rows, and the whole static
+KV cache, which attention reads through the mask) divided by the step time.
+The last line printed is one JSON object with the configuration and every result.
+"""
+
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from fold import fold_state_dict
+from model import GPT, LADDER, GPTConfig, TaperScale
+from train import ConfigError, parse_args
+
+# -----------------------------------------------------------------------------
+size = '9M'             # a row of the SPEC §6 ladder: 1M | 3M | 9M | 30M ('' : give the shape below)
+n_layer = 0             # any of these four, when > 0, overrides the size's value
+n_head = 0
+n_embd = 0
+vocab_size = 10000
+block_size = 512
+batch_size = 1
+prompt_len = 128
+new_tokens = 128
+mode = 'decode'         # 'decode' (KV cache) | 'last_token' (full forward, last logits, no cache)
+compile = 'both'        # 'both' | 'eager' | 'compiled'
+device = 'auto'         # 'auto' (cuda if available, else cpu) | 'cpu' | 'cuda' ...
+dtype = 'auto'          # 'auto' (bfloat16 on CUDA where supported, else float32) | 'float32' | 'bfloat16'
+trials = 5
+seed = 1337
+ckpt = ''               # also time this checkpoint (raw or folded) next to a baseline of its shape
+profile = False         # print a torch.profiler table of one decode step of baseline and internal_folded
+# -----------------------------------------------------------------------------
+DEFAULTS = {k: v for k, v in globals().items()
+            if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
+
+VARIANTS = ('baseline', 'internal_unfused', 'internal_folded', 'all_folded')
+GATE_RTOL = 1e-4   # teacher-forced logits: max |Δ| <= GATE_RTOL · max |logit|
+GATE_TOKENS = 16   # greedy tokens that must be identical
+
+
+class GateError(RuntimeError):
+    """The folded and unfused models disagree: the benchmark refuses to time them."""
+
+
+# ---- building the variants --------------------------------------------------------------
+
+@torch.no_grad()
+def linear_phase_model(arch, taper, seed):
+    """A GPT with the given taper, brought to the linear phase through the real path:
+    calibration statistics from random tokens, calibrate() (c, γ̃ ← γ), then γ̃ spread
+    around 1 as if trained, and g = 0. Same seed, same matrices as the baseline."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**arch, taper=taper))
+    gen = torch.Generator().manual_seed(seed + 1)
+    model.train()
+    x = torch.randint(0, arch['vocab_size'], (4, min(64, arch['block_size'])), generator=gen)
+    model(x, x)  # a training forward: the calibration statistics of one step
+    model.calibration_step()
+    model.calibrate()
+    for _, m in model.tapernorms():
+        m.weight_tilde.mul_(torch.exp(0.3 * torch.randn(m.weight_tilde.shape, generator=gen)))
+    model.set_phase('linear')
+    model.set_gate(0.0)
+    return model.eval()
+
+
+def folded_model(model):
+    """The model rewritten by fold.py's fold_state_dict, as a GPT with folded=True."""
+    sd, args = fold_state_dict(model.state_dict(), vars(model.config))
+    folded = GPT(GPTConfig(**args))
+    folded.load_state_dict(sd)
+    folded.set_phase(folded.implied_phase())
+    return folded.eval()
+
+
+def build_variants(arch, seed):
+    """{name: fp32 CPU model} for VARIANTS, plus the unfolded All-Taper model for the gate."""
+    torch.manual_seed(seed)
+    baseline = GPT(GPTConfig(**arch)).eval()
+    internal = linear_phase_model(arch, 'internal', seed)
+    all_taper = linear_phase_model(arch, 'all', seed)
+    for name, p in baseline.named_parameters():  # the same weights everywhere they exist
+        assert torch.equal(p, internal.get_parameter(name)), name
+    return {'baseline': baseline,
+            'internal_unfused': copy.deepcopy(internal).unfused(),
+            'internal_folded': folded_model(internal),
+            'all_folded': folded_model(all_taper)}, all_taper
+
+
+def checkpoint_variants(path, seed):
+    """(name, model, baseline of the same shape) for --ckpt; a raw linear-phase checkpoint is
+    timed unfused (its tapered norms as one multiply each)."""
+    model, ck = GPT.from_checkpoint(path, 'cpu')
+    if model.phase == 'linear' and not model.config.folded:
+        model.unfused()
+    c = model.config
+    arch = dict(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, vocab_size=c.vocab_size,
+                block_size=c.block_size, bias=c.bias, norm=c.norm, norm_eps=c.norm_eps)
+    torch.manual_seed(seed)
+    return f'ckpt:{os.path.basename(path)}', model, GPT(GPTConfig(**arch)).eval()
+
+
+# ---- one variant's step functions -------------------------------------------------------
+
+def make_steps(model, compiled, device_type):
+    """(prefill, decode): prefill(idx (B, P), input_pos (P,)) and decode(tok (B, 1), input_pos (1,))
+    return the greedy next token (B, 1). Compiled as gpt-fast does: fullgraph, static shapes;
+    on CUDA "reduce-overhead" (CUDA graphs: no per-kernel launch cost, no host sync)."""
+    def step(idx, input_pos):
+        logits, _ = model(idx, input_pos=input_pos)
+        return logits[:, -1].argmax(dim=-1, keepdim=True)
+
+    def forward_last(idx, input_pos=None):  # --mode=last_token: no cache
+        logits, _ = model(idx)
+        return logits[:, -1].argmax(dim=-1, keepdim=True)
+
+    if not compiled:
+        return step, step, forward_last
+    mode = 'reduce-overhead' if device_type == 'cuda' else None
+    step = torch.compile(step, fullgraph=True, dynamic=False, mode=mode)  # one graph per shape
+    return step, step, torch.compile(forward_last, fullgraph=True, dynamic=False, mode=mode)
+
+
+def sync(device_type):
+    if device_type == 'cuda':
+        torch.cuda.synchronize()
+
+
+def run_decode(steps, prompt, new, device_type):
+    """Prefill, then `new` decode steps. Returns (ttft_s, decode_s, tokens (B, new + 1))."""
+    prefill, decode, _ = steps
+    P = prompt.size(1)
+    positions = torch.arange(P + new, device=prompt.device)
+    sync(device_type)
+    t0 = time.perf_counter()
+    tok = prefill(prompt, positions[:P]).clone()  # clone: CUDA graphs reuse their output memory
+    sync(device_type)
+    t1 = time.perf_counter()
+    out = [tok]
+    for i in range(new):
+        tok = decode(tok, positions[P + i:P + i + 1]).clone()
+        out.append(tok)
+    sync(device_type)
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, torch.cat(out, dim=1)
+
+
+def run_last_token(steps, prompt, new, device_type):
+    """`new` full forwards of the prompt, last position only. Returns (None, seconds, tokens)."""
+    forward_last = steps[2]
+    sync(device_type)
+    t0 = time.perf_counter()
+    out = [forward_last(prompt).clone() for _ in range(new)]
+    sync(device_type)
+    return None, time.perf_counter() - t0, torch.cat(out, dim=1)
+
+
+# ---- what a decode step reads ------------------------------------------------------------
+
+def weight_bytes(model):
+    """Bytes of every parameter and TaperScale buffer (the tied embedding/head once)."""
+    tensors = list(model.parameters()) + [b for m in model.modules() if isinstance(m, TaperScale)
+                                          for b in m.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def step_bytes(model, batch_size, cache_len, mode):
+    """Bytes one step must read: the weights, with the LM head once and only batch_size rows of
+    the token and position embeddings, plus the whole static KV cache (decode mode)."""
+    c, e = model.config, model.transformer.wte.weight.element_size()
+    total = weight_bytes(model) - model.transformer.wpe.weight.numel() * e  # wpe: B rows only
+    if c.untied_head():  # the embedding is its own table: B rows read, not V
+        total -= model.transformer.wte.weight.numel() * e
+    rows = batch_size * (1 if mode == 'decode' else cache_len)
+    total += 2 * rows * c.n_embd * e  # token + position embedding rows
+    if mode == 'decode':
+        total += kv_bytes(model, batch_size, cache_len)
+    return total
+
+
+def kv_bytes(model, batch_size, cache_len):
+    c = model.config
+    return 2 * c.n_layer * batch_size * cache_len * c.n_embd * model.transformer.wte.weight.element_size()
+
+
+# ---- the correctness gate -----------------------------------------------------------------
+
+@torch.no_grad()
+def check_logits(name_a, a, name_b, b, arch, seed):
+    """Teacher-forced fp32 logits of two models on one fixed random sequence; returns
+    max |Δ| / max |logit|. Raises GateError above GATE_RTOL."""
+    T = min(arch['block_size'], 128)
+    seq = torch.randint(0, arch['vocab_size'], (2, T), generator=torch.Generator().manual_seed(seed + 2))
+    seq = seq.to(a.transformer.wte.weight.device)
+    la, lb = a(seq, seq)[0].float(), b(seq, seq)[0].float()
+    diff, scale = (la - lb).abs().max().item(), la.abs().max().item()
+    if not diff <= GATE_RTOL * scale:
+        raise GateError(f"{name_a} vs {name_b}: teacher-forced logits differ by {diff:.3e} "
+                        f"(max |logit| {scale:.3e}, tolerance {GATE_RTOL:g} of it)")
+    return diff / scale
+
+
+def check_greedy(name_a, steps_a, name_b, steps_b, prompt, n, device_type, how):
+    """The first n greedy tokens through two models' step functions (their KV caches set up).
+    Raises GateError naming the first token that differs."""
+    ta = run_decode(steps_a, prompt, n - 1, device_type)[2]
+    tb = run_decode(steps_b, prompt, n - 1, device_type)[2]
+    if not torch.equal(ta, tb):
+        first = (ta != tb).any(dim=0).nonzero()[0].item()
+        raise GateError(f"{name_a} vs {name_b} ({how}): greedy tokens differ from token {first} on")
+
+
+# ---- main ----------------------------------------------------------------------------------
+
+def resolve(cfg):
+    """Check the settings; returns (arch dict, device, torch dtype, list of compile flags)."""
+    if cfg['size'] and cfg['size'] not in LADDER:
+        raise SystemExit(f"--size={cfg['size']}: choose one of {list(LADDER)} or '' with explicit "
+                         "--n_layer/--n_embd/--n_head")
+    arch = dict(LADDER[cfg['size']]) if cfg['size'] else {}
+    for key in ('n_layer', 'n_head', 'n_embd'):
+        if cfg[key] > 0:
+            arch[key] = cfg[key]
+        elif key not in arch:
+            raise SystemExit(f"--size='' needs --{key}")
+    arch.update(vocab_size=cfg['vocab_size'], block_size=cfg['block_size'])
+    if arch['n_embd'] % arch['n_head']:
+        raise SystemExit(f"n_embd={arch['n_embd']} is not divisible by n_head={arch['n_head']}")
+    for key in ('batch_size', 'prompt_len', 'new_tokens', 'trials', 'vocab_size'):
+        if cfg[key] < 1:
+            raise SystemExit(f"--{key}={cfg[key]} must be >= 1")
+    if cfg['mode'] not in ('decode', 'last_token'):
+        raise SystemExit(f"--mode={cfg['mode']!r}: choose 'decode' or 'last_token'")
+    if cfg['compile'] not in ('both', 'eager', 'compiled'):
+        raise SystemExit(f"--compile={cfg['compile']!r}: choose 'both', 'eager' or 'compiled'")
+    need = cfg['prompt_len'] + (cfg['new_tokens'] if cfg['mode'] == 'decode' else 0)
+    if need > cfg['block_size']:
+        raise SystemExit(f"prompt_len + new_tokens = {need} exceeds block_size {cfg['block_size']}: "
+                         "lower --prompt_len or --new_tokens")
+    dev = ('cuda' if torch.cuda.is_available() else 'cpu') if cfg['device'] == 'auto' else cfg['device']
+    dt = cfg['dtype']
+    if dt == 'auto':
+        dt = 'bfloat16' if dev.startswith('cuda') and torch.cuda.is_bf16_supported() else 'float32'
+    if dt not in ('float32', 'bfloat16', 'float16'):
+        raise SystemExit(f"--dtype={dt!r}: choose 'auto', 'float32', 'bfloat16' or 'float16'")
+    flags = {'both': [False, True], 'eager': [False], 'compiled': [True]}[cfg['compile']]
+    return arch, dev, getattr(torch, dt), flags
+
+
+def main(argv):
+    """Run the benchmark; returns the JSON record printed on the last line."""
+    try:
+        cfg = parse_args(argv, DEFAULTS)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}")
+    arch, dev, dtype, flags = resolve(cfg)
+    device_type = torch.device(dev).type
+    B, P, N = cfg['batch_size'], cfg['prompt_len'], cfg['new_tokens']
+    cache_len = P + N
+    torch._dynamo.config.cache_size_limit = 64  # every variant compiles the same step code
+    if device_type == 'cuda':
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    models, all_taper = build_variants(arch, cfg['seed'])
+    reference = {name: 'baseline' for name in models}
+    if cfg['ckpt']:
+        try:
+            name, model, base = checkpoint_variants(cfg['ckpt'], cfg['seed'])
+        except FileNotFoundError as e:
+            raise SystemExit(str(e))
+        if P + N > model.config.block_size:
+            raise SystemExit(f"prompt_len + new_tokens = {P + N} exceeds the checkpoint's context "
+                             f"{model.config.block_size}")
+        models.update({'ckpt_baseline': base, name: model})
+        reference.update({'ckpt_baseline': 'ckpt_baseline', name: 'ckpt_baseline'})
+    names = list(models)
+
+    print(f"bench: {cfg['size'] or 'custom'} {arch} | {', '.join(names)}")
+    print(f"  device={dev} dtype={str(dtype).removeprefix('torch.')} torch={torch.__version__} "
+          f"threads={torch.get_num_threads()} | mode={cfg['mode']} batch_size={B} prompt_len={P} "
+          f"new_tokens={N} | trials={cfg['trials']} (+1 warm-up) | "
+          f"{' and '.join('compiled' if f else 'eager' for f in flags)}")
+
+    # the gate, in fp32, before anything is timed
+    gate_pairs = [('internal_unfused', 'internal_folded'), ('all_taper', 'all_folded')]
+    gate_models = dict(models, all_taper=all_taper)
+    gate_tokens = min(GATE_TOKENS, N + 1)
+    gen = torch.Generator().manual_seed(cfg['seed'] + 3)
+    prompt = torch.randint(0, arch['vocab_size'], (B, P), generator=gen).to(dev)
+    for m in gate_models.values():
+        m.to(dev)
+        m.setup_caches(B, cache_len)  # once: CUDA graphs need the caches at fixed addresses
+    t0 = time.perf_counter()
+    try:
+        gate = {f'{a} vs {b}': check_logits(a, gate_models[a], b, gate_models[b], arch, cfg['seed'])
+                for a, b in gate_pairs}
+        for a, b in gate_pairs:
+            check_greedy(a, make_steps(gate_models[a], False, device_type), b,
+                         make_steps(gate_models[b], False, device_type), prompt, gate_tokens, device_type, 'eager')
+    except GateError as e:
+        raise SystemExit(f"correctness gate failed, no speed reported: {e}")
+    print("  gate (fp32, eager): " + ', '.join(f"{k}: max|Δ logit|/max|logit| {v:.1e}" for k, v in gate.items())
+          + f"; first {gate_tokens} greedy tokens identical ({time.perf_counter() - t0:.1f} s)")
+    del gate_models, all_taper
+
+    for m in models.values():
+        m.to(dtype=dtype)  # weights and KV caches
+    run = run_decode if cfg['mode'] == 'decode' else run_last_token
+    prompts = {n: prompt % m.config.vocab_size for n, m in models.items()}  # a checkpoint's vocabulary may be smaller
+
+    results = []
+    for compiled in flags:
+        steps = {n: make_steps(m, compiled, device_type) for n, m in models.items()}
+        if compiled:  # the compiled steps that will be timed pass the gate too
+            a, b = gate_pairs[0]
+            if dtype == torch.float32:
+                try:
+                    check_greedy(a, steps[a], b, steps[b], prompt, gate_tokens, device_type, 'compiled')
+                except GateError as e:
+                    raise SystemExit(f"correctness gate failed, no speed reported: {e}")
+                print(f"  gate (fp32, compiled): first {gate_tokens} greedy tokens identical")
+            else:  # rounding in 16 bits may flip a near-tie of random logits: no reliable check
+                print(f"  gate (compiled): not run in {dtype}; --dtype=float32 runs it")
+        warm = {}
+        for n in names:  # the warm-up trial: compilation, caches, allocator
+            t0 = time.perf_counter()
+            run(steps[n], prompts[n], N, device_type)
+            warm[n] = time.perf_counter() - t0
+            if compiled:
+                print(f"  compiled {n} in {warm[n]:.1f} s (warm-up trial included)")
+        times = {n: [] for n in names}
+        peak = {}
+        for _ in range(cfg['trials']):
+            for n in names:  # interleaved: A B C D A B C D ...
+                if device_type == 'cuda':
+                    torch.cuda.reset_peak_memory_stats()
+                times[n].append(run(steps[n], prompts[n], N, device_type)[:2])
+                if device_type == 'cuda':
+                    peak[n] = torch.cuda.max_memory_allocated()
+        for n in names:
+            ttft = statistics.median(t[0] for t in times[n]) if cfg['mode'] == 'decode' else None
+            step_s = statistics.median(t[1] for t in times[n]) / N
+            results.append(dict(
+                variant=n, compiled=compiled, tokens_per_s=B / step_s, ms_per_token=1000 * step_s,
+                ttft_ms=None if ttft is None else 1000 * ttft,
+                gbps=step_bytes(models[n], B, cache_len if cfg['mode'] == 'decode' else P, cfg['mode']) / step_s / 1e9,
+                weight_mb=weight_bytes(models[n]) / 1e6,
+                kv_mb=kv_bytes(models[n], B, cache_len) / 1e6 if cfg['mode'] == 'decode' else 0.0,
+                peak_mb=peak[n] / 1e6 if n in peak else None,
+                compile_s=warm[n] if compiled else None))
+        by_name = {r['variant']: r for r in results if r['compiled'] == compiled}
+        for r in by_name.values():
+            r['speedup_vs_baseline'] = r['tokens_per_s'] / by_name[reference[r['variant']]]['tokens_per_s']
+
+    print_table(results)
+    if cfg['profile']:
+        profile_step(models, steps if flags[-1] else None, prompt, B, cache_len, device_type, cfg['mode'])
+    record = {'device': torch.cuda.get_device_name(dev) if device_type == 'cuda' else f'cpu ({os.cpu_count()} cores)',
+              'torch': torch.__version__,
+              'config': dict(size=cfg['size'], **{k: arch[k] for k in ('n_layer', 'n_head', 'n_embd', 'vocab_size')},
+                             batch_size=B, prompt_len=P, new_tokens=N, dtype=str(dtype).removeprefix('torch.'),
+                             trials=cfg['trials'], seed=cfg['seed'], mode=cfg['mode']),
+              'gate': gate, 'results': results}
+    print(json.dumps(record))
+    return record
+
+
+def print_table(results):
+    def fmt(v, spec):
+        return '-' if v is None else format(v, spec)
+    print(f"\n{'variant':<22} {'compiled':>8} {'tokens/s':>10} {'ms/token':>9} {'TTFT ms':>8} "
+          f"{'speed-up':>8} {'GB/s':>7} {'weights MB':>10} {'KV MB':>7} {'peak MB':>8}")
+    for r in results:
+        print(f"{r['variant']:<22} {str(r['compiled']):>8} {r['tokens_per_s']:>10,.1f} {r['ms_per_token']:>9.3f} "
+              f"{fmt(r['ttft_ms'], '8.2f'):>8} {r['speedup_vs_baseline']:>7.3f}× {r['gbps']:>7.2f} "
+              f"{r['weight_mb']:>10.2f} {r['kv_mb']:>7.2f} {fmt(r['peak_mb'], '8.1f'):>8}")
+    print()
+
+
+def profile_step(models, compiled_steps, prompt, B, cache_len, device_type, mode):
+    """torch.profiler of one decode step (compiled when timed compiled) of baseline and
+    internal_folded, after a prefill; prints the operators by self time."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == 'cuda' else [])
+    for n in ('baseline', 'internal_folded'):
+        eager = make_steps(models[n], False, device_type)
+        for how, steps in [('eager', eager)] + ([('compiled', compiled_steps[n])] if compiled_steps else []):
+            P = prompt.size(1)
+            tok = steps[0](prompt, torch.arange(P, device=prompt.device)).clone()
+            pos = torch.tensor([P], device=prompt.device)
+            for _ in range(3):
+                steps[1](tok, pos)
+            sync(device_type)
+            with torch_profile(activities=activities) as prof:
+                steps[1](tok, pos)
+                sync(device_type)
+            key = 'self_cuda_time_total' if device_type == 'cuda' else 'self_cpu_time_total'
+            print(f"---- profile: one decode step of {n} ({how}) ----")
+            print(prof.key_averages().table(sort_by=key, row_limit=14))
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])
