@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+import types
 
 import torch
 
@@ -51,7 +52,7 @@ vocab_size = 10000
 block_size = 512
 batch_size = 1
 prompt_len = 128
-new_tokens = 128
+new_tokens = 256
 mode = 'decode'         # 'decode' (KV cache) | 'last_token' (full forward, last logits, no cache)
 compile = 'both'        # 'both' | 'eager' | 'compiled'
 device = 'auto'         # 'auto' (cuda if available, else cpu) | 'cpu' | 'cuda' ...
@@ -134,22 +135,34 @@ def checkpoint_variants(path, seed):
 # ---- one variant's step functions -------------------------------------------------------
 
 def make_steps(model, compiled, device_type):
-    """(prefill, decode): prefill(idx (B, P), input_pos (P,)) and decode(tok (B, 1), input_pos (1,))
-    return the greedy next token (B, 1). Compiled as gpt-fast does: fullgraph, static shapes;
-    on CUDA "reduce-overhead" (CUDA graphs: no per-kernel launch cost, no host sync)."""
+    """(prefill, decode, forward_last) for one model: prefill(idx (B, P), input_pos (P,)) and
+    decode(tok (B, 1), input_pos (1,)) return the greedy next token (B, 1); forward_last(idx)
+    runs the full sequence without a cache (--mode=last_token). Compiled as gpt-fast does:
+    fullgraph, static shapes; on CUDA "reduce-overhead" (CUDA graphs: no per-kernel launch
+    cost, no host sync)."""
     def step(idx, input_pos):
-        logits, _ = model(idx, input_pos=input_pos)
+        with torch.no_grad():  # else the in-place cache writes would make the caches require grad
+            logits, _ = model(idx, input_pos=input_pos)
         return logits[:, -1].argmax(dim=-1, keepdim=True)
 
-    def forward_last(idx, input_pos=None):  # --mode=last_token: no cache
-        logits, _ = model(idx)
+    def forward_last(idx, input_pos=None):
+        with torch.no_grad():
+            logits, _ = model(idx)
         return logits[:, -1].argmax(dim=-1, keepdim=True)
 
     if not compiled:
         return step, step, forward_last
     mode = 'reduce-overhead' if device_type == 'cuda' else None
-    step = torch.compile(step, fullgraph=True, dynamic=False, mode=mode)  # one graph per shape
-    return step, step, torch.compile(forward_last, fullgraph=True, dynamic=False, mode=mode)
+    step = torch.compile(own_code(step), fullgraph=True, dynamic=False, mode=mode)  # one graph per shape
+    return step, step, torch.compile(own_code(forward_last), fullgraph=True, dynamic=False, mode=mode)
+
+
+def own_code(fn):
+    """fn with a code object of its own. Dynamo keeps compiled graphs per code object, so every
+    variant's steps would otherwise share one cache, and each call would check the guards of
+    the other variants' graphs first."""
+    code = fn.__code__.replace()  # an equal but distinct code object
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def sync(device_type):
@@ -161,15 +174,17 @@ def run_decode(steps, prompt, new, device_type):
     """Prefill, then `new` decode steps. Returns (ttft_s, decode_s, tokens (B, new + 1))."""
     prefill, decode, _ = steps
     P = prompt.size(1)
-    positions = torch.arange(P + new, device=prompt.device)
+    prefill_pos = torch.arange(P, device=prompt.device)
+    pos = torch.tensor([P], device=prompt.device)  # advanced in place: one tensor, no new shapes
     sync(device_type)
     t0 = time.perf_counter()
-    tok = prefill(prompt, positions[:P]).clone()  # clone: CUDA graphs reuse their output memory
+    tok = prefill(prompt, prefill_pos).clone()  # clone: CUDA graphs reuse their output memory
     sync(device_type)
     t1 = time.perf_counter()
     out = [tok]
-    for i in range(new):
-        tok = decode(tok, positions[P + i:P + i + 1]).clone()
+    for _ in range(new):
+        tok = decode(tok, pos).clone()
+        pos += 1
         out.append(tok)
     sync(device_type)
     t2 = time.perf_counter()
@@ -288,20 +303,22 @@ def main(argv):
     device_type = torch.device(dev).type
     B, P, N = cfg['batch_size'], cfg['prompt_len'], cfg['new_tokens']
     cache_len = P + N
-    torch._dynamo.config.cache_size_limit = 64  # every variant compiles the same step code
     if device_type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True
 
-    models, all_taper = build_variants(arch, cfg['seed'])
-    reference = {name: 'baseline' for name in models}
+    extra = None
     if cfg['ckpt']:
         try:
-            name, model, base = checkpoint_variants(cfg['ckpt'], cfg['seed'])
+            extra = checkpoint_variants(cfg['ckpt'], cfg['seed'])
         except FileNotFoundError as e:
             raise SystemExit(str(e))
-        if P + N > model.config.block_size:
+        if P + N > extra[1].config.block_size:
             raise SystemExit(f"prompt_len + new_tokens = {P + N} exceeds the checkpoint's context "
-                             f"{model.config.block_size}")
+                             f"{extra[1].config.block_size}")
+    models, all_taper = build_variants(arch, cfg['seed'])
+    reference = {name: 'baseline' for name in models}
+    if extra is not None:
+        name, model, base = extra
         models.update({'ckpt_baseline': base, name: model})
         reference.update({'ckpt_baseline': 'ckpt_baseline', name: 'ckpt_baseline'})
     names = list(models)
@@ -342,6 +359,13 @@ def main(argv):
     results = []
     for compiled in flags:
         steps = {n: make_steps(m, compiled, device_type) for n, m in models.items()}
+        warm = {}
+        for n in names:  # the warm-up trial: compilation, caches, allocator
+            t0 = time.perf_counter()
+            run(steps[n], prompts[n], N, device_type)
+            warm[n] = time.perf_counter() - t0
+            if compiled:
+                print(f"  compiled {n} in {warm[n]:.1f} s (the warm-up trial)")
         if compiled:  # the compiled steps that will be timed pass the gate too
             a, b = gate_pairs[0]
             if dtype == torch.float32:
@@ -352,13 +376,6 @@ def main(argv):
                 print(f"  gate (fp32, compiled): first {gate_tokens} greedy tokens identical")
             else:  # rounding in 16 bits may flip a near-tie of random logits: no reliable check
                 print(f"  gate (compiled): not run in {dtype}; --dtype=float32 runs it")
-        warm = {}
-        for n in names:  # the warm-up trial: compilation, caches, allocator
-            t0 = time.perf_counter()
-            run(steps[n], prompts[n], N, device_type)
-            warm[n] = time.perf_counter() - t0
-            if compiled:
-                print(f"  compiled {n} in {warm[n]:.1f} s (warm-up trial included)")
         times = {n: [] for n in names}
         peak = {}
         for _ in range(cfg['trials']):

@@ -1,0 +1,94 @@
+"""bench.py: end to end on a tiny model, its JSON record, the correctness gate, bad settings."""
+
+import json
+
+import pytest
+import torch
+
+import bench
+import train
+
+TINY = ['--size=', '--n_layer=2', '--n_embd=32', '--n_head=2', '--vocab_size=128', '--block_size=64',
+        '--prompt_len=8', '--new_tokens=8', '--trials=2', '--compile=eager', '--device=cpu']
+FIELDS = {'variant', 'compiled', 'tokens_per_s', 'ms_per_token', 'ttft_ms', 'speedup_vs_baseline', 'gbps'}
+
+
+def last_json(capsys):
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_bench_runs_end_to_end_and_ends_with_one_json_line(capsys):
+    bench.main(TINY)
+    record = last_json(capsys)
+    assert set(record) >= {'device', 'torch', 'config', 'results'}
+    assert record['config'] == dict(size='', n_layer=2, n_head=2, n_embd=32, vocab_size=128, batch_size=1,
+                                    prompt_len=8, new_tokens=8, dtype='float32', trials=2, seed=1337,
+                                    mode='decode')
+    assert [r['variant'] for r in record['results']] == list(bench.VARIANTS)
+    for r in record['results']:
+        assert FIELDS <= set(r) and r['compiled'] is False
+        assert r['tokens_per_s'] == pytest.approx(1000 / r['ms_per_token'])  # batch_size 1
+        assert r['ttft_ms'] > 0 and r['gbps'] > 0
+    assert record['results'][0]['speedup_vs_baseline'] == 1.0
+
+
+def test_last_token_mode_has_no_ttft(capsys):
+    bench.main(TINY + ['--mode=last_token', '--batch_size=2'])
+    record = last_json(capsys)
+    assert record['config']['mode'] == 'last_token'
+    assert all(r['ttft_ms'] is None for r in record['results'])
+
+
+def test_the_gate_trips_on_corrupted_folded_weights(monkeypatch, capsys):
+    fold_properly = bench.folded_model
+
+    def corrupted(model):
+        folded = fold_properly(model)
+        with torch.no_grad():  # as if one γ̃ entry had been folded twice
+            folded.transformer.h[1].mlp.c_fc.weight[:, 3] *= 1.5
+        return folded
+
+    monkeypatch.setattr(bench, 'folded_model', corrupted)
+    with pytest.raises(SystemExit, match='correctness gate failed.*internal_unfused vs internal_folded'):
+        bench.main(TINY)
+    assert 'tokens/s' not in capsys.readouterr().out  # no speed reported
+
+
+def test_step_bytes_count_the_head_once_and_embedding_rows(capsys):
+    models, _ = bench.build_variants(dict(n_layer=2, n_embd=32, n_head=2, vocab_size=128, block_size=64), 0)
+    B, L, d, V = 3, 20, 32, 128
+    kv = 2 * 2 * B * L * d * 4
+    tied, untied = models['internal_folded'], models['all_folded']
+    blocks = sum(p.numel() for p in tied.transformer.h.parameters())
+    ln_f = sum(p.numel() for p in tied.transformer.ln_f.parameters())
+    assert bench.step_bytes(tied, B, L, 'decode') == 4 * (blocks + ln_f + V * d + 2 * B * d) + kv
+    head = untied.lm_head.weight.numel() + untied.lm_head.bias.numel() if untied.lm_head.bias is not None \
+        else untied.lm_head.weight.numel()
+    blocks = sum(p.numel() for p in untied.transformer.h.parameters())
+    assert bench.step_bytes(untied, B, L, 'decode') == 4 * (blocks + head + 2 * B * d) + kv
+
+
+def test_a_checkpoint_is_timed_next_to_a_baseline_of_its_shape(tmp_path, capsys):
+    models, _ = bench.build_variants(dict(n_layer=2, n_embd=32, n_head=2, vocab_size=100, block_size=32), 0)
+    folded = models['internal_folded']
+    path = tmp_path / 'folded.pt'
+    train.save_checkpoint({'model': folded.state_dict(), 'model_args': vars(folded.config)}, str(path))
+    bench.main(TINY + [f'--ckpt={path}'])
+    results = {r['variant']: r for r in last_json(capsys)['results']}
+    assert results['ckpt_baseline']['speedup_vs_baseline'] == 1.0
+    mine = results['ckpt:folded.pt']
+    assert mine['speedup_vs_baseline'] == pytest.approx(
+        mine['tokens_per_s'] / results['ckpt_baseline']['tokens_per_s'])
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--size=7M'], "choose one of"),
+    (['--prompt_len=500', '--new_tokens=100'], 'exceeds block_size 512'),
+    (['--compile=yes'], "choose 'both'"),
+    (['--mode=prefill'], "choose 'decode' or 'last_token'"),
+    (['--batch_size=0'], 'must be >= 1'),
+    (['--ckpt=nowhere.pt', '--size=1M', '--compile=eager'], 'not found'),
+])
+def test_bad_settings_name_the_fix(args, message):
+    with pytest.raises(SystemExit, match=message):
+        bench.main(args)
