@@ -143,11 +143,12 @@ def main(argv):
     scale = before.float().abs().max().item()
 
     out_ckpt = {k: v for k, v in ck.items() if k != 'optimizer'}  # the optimizer state is for training
-    out_ckpt.update(model=folded.state_dict(), model_args=args, folded_from=os.path.abspath(cfg['ckpt']))
+    names = [n for n, _ in fold_pairs(ck['model_args'])]
+    out_ckpt.update(model=folded.state_dict(), model_args=args, folded_norms=names,
+                    folded_from=os.path.abspath(cfg['ckpt']))
     save_checkpoint(out_ckpt, cfg['out'])
 
     (p0, b0), (p1, b1) = model_size(unfolded), model_size(folded)
-    names = [n for n, _ in fold_pairs(ck['model_args'])]
     print(f"folded {len(names)} {ck['model_args']['norm']} norms ({ck['model_args']['taper']}-taper): "
           f"{names[0].removeprefix('transformer.')} .. {names[-1].removeprefix('transformer.')}")
     print(f"max |Δ logit| unfolded (g = 0) vs folded: {diff:.3e}  (max |logit| {scale:.2f}; "

@@ -69,7 +69,10 @@ def main(argv):
     model.to(dtype=getattr(torch, dt))  # inference in the weights' dtype: the KV cache takes it too
     if cfg['compile']:
         model.compile()  # in place: generate()'s calls run compiled (prefill once, decode steps once)
-    meta = ck['meta']
+    meta = ck.get('meta') or {}
+    if 'gpt2_ids' not in meta:
+        raise SystemExit(f"{cfg['ckpt']} holds no tokenizer table (meta.json's gpt2_ids): sample.py "
+                         "decodes datasets made by data/*/prepare.py")
     prompt = encode(read_prompt(cfg['start']), meta)
     if not prompt:
         raise SystemExit("the prompt is empty: give at least one character with --start")

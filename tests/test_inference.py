@@ -218,6 +218,9 @@ def test_fold_and_sample_scripts_end_to_end(trained, tmp_path, capsys):
     assert report['max_abs_logit_diff'] < 1e-4 * max(1.0, report['max_abs_logit'])
     assert report['params'][1] > report['params'][0]  # All-Taper: the untied head adds V·d
     assert 'untied' in capsys.readouterr().out
+    saved = torch.load(out, weights_only=True)
+    assert saved['model_args']['folded'] and saved['folded_norms'][-1] == 'transformer.ln_f'
+    assert 'optimizer' not in saved
     args = ['--start=the cat', '--num_samples=2', '--max_new_tokens=12', '--temperature=0', '--device=cpu']
     raw = sample.main([f'--ckpt={trained}'] + args)
     folded = sample.main([f'--ckpt={out}'] + args)
@@ -238,3 +241,9 @@ def test_sample_errors_name_the_fix(trained, tmp_path):
         sample.main([f'--ckpt={trained}', '--start=the cat', '--max_new_tokens=31'])
     with pytest.raises(SystemExit, match='cannot read the prompt file'):
         sample.main([f'--ckpt={trained}', f'--start=FILE:{tmp_path / "nope.txt"}'])
+    model = linear_phase()
+    toy = str(tmp_path / 'toy.pt')  # trained on token ids without a tokenizer (tests' toy data)
+    train.save_checkpoint({'model': model.state_dict(), 'model_args': vars(model.config),
+                           'meta': {'vocab_size': 96, 'tokenizer': 'toy'}}, toy)
+    with pytest.raises(SystemExit, match='no tokenizer table'):
+        sample.main([f'--ckpt={toy}'])
