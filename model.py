@@ -15,7 +15,8 @@ Everything the method adds lives here, each in one place:
 - `GPT.calibrate`               the calibrate event: c, s_tgt, γ̃ ← γ          (SPEC §2–§4)
 - `aux_loss`                    the scale-anchor loss L_aux on h before ln_f  (SPEC §4)
 - `TaperScale`, `GPT.unfused`   g = 0 kept as one precomputed multiply         (SPEC §5)
-- `GPTConfig.folded`            a model whose tapered norms fold.py merged away (SPEC §5)
+- `GPTConfig.folded`            a model whose tapered norms fold.py merged away (SPEC §5;
+                                the arithmetic is fold.py's `fold_state_dict`)
 
 Inference uses a static, preallocated KV cache (`KVCache`, `GPT.setup_caches`, as in
 gpt-fast): a prefill of the prompt, then one-token decode steps whose tensor shapes never
