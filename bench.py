@@ -15,10 +15,10 @@ Variants, one architecture, the same random weights, no training:
 The tapered variants come from TaperNorm models calibrated on random tokens, set to the linear
 phase, with γ̃ spread around 1, so the benchmark times the artifact a user gets.
 
-Correctness gate, before any timing, in fp32: internal_unfused and internal_folded (and all_folded
-against its unfolded model) agree on teacher-forced logits within GATE_RTOL of the largest logit,
-and on the first GATE_TOKENS greedy tokens, eager and (if timed) compiled. Otherwise no speed is
-reported.
+Correctness gate, before any timing, in fp32: internal_unfused and internal_folded, All-Taper
+and all_folded, and a --ckpt raw checkpoint and its unfused form agree on teacher-forced logits
+within GATE_RTOL of the largest logit and on the first GATE_TOKENS greedy tokens; compiled, every
+timed variant's greedy tokens equal its eager ones. Otherwise no speed is reported.
 
 Decode: --prompt_len tokens are prefilled (time to first token, TTFT), then --new_tokens one-token
 decode steps. tokens/s = batch_size · new_tokens / decode time. The median over --trials trials
@@ -41,7 +41,7 @@ import torch
 
 from fold import fold_state_dict
 from model import GPT, LADDER, GPTConfig, TaperScale
-from train import ConfigError, parse_args
+from train import ConfigError, parse_args, resolve_device
 
 # -----------------------------------------------------------------------------
 size = '9M'             # a row of the SPEC §6 ladder: 1M | 3M | 9M | 30M ('' : give the shape below)
@@ -120,16 +120,22 @@ def build_variants(arch, seed):
 
 
 def checkpoint_variants(path, seed):
-    """(name, model, baseline of the same shape) for --ckpt; a raw linear-phase checkpoint is
-    timed unfused (its tapered norms as one multiply each)."""
+    """For --ckpt: (name, model as timed, its TaperNorm form or None, baseline of the same shape,
+    a line describing it). A raw linear-phase checkpoint is timed unfused (each tapered norm one
+    multiply); its TaperNorm form is kept for the correctness gate."""
     model, ck = GPT.from_checkpoint(path, 'cpu')
-    if model.phase == 'linear' and not model.config.folded:
+    c, raw = model.config, None
+    about = f"{path}: taper={c.taper} norm={c.norm} folded={c.folded} phase={model.phase} g={model.gate.item():.4g}"
+    if model.phase == 'linear' and not c.folded:
+        raw = copy.deepcopy(model)
         model.unfused()
-    c = model.config
+        about += " (timed unfused)"
+    elif model.phase in ('warmup', 'taper'):
+        about += " (not an inference artifact: the normalizing branch still runs; fold a finished run)"
     arch = dict(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, vocab_size=c.vocab_size,
                 block_size=c.block_size, bias=c.bias, norm=c.norm, norm_eps=c.norm_eps)
     torch.manual_seed(seed)
-    return f'ckpt:{os.path.basename(path)}', model, GPT(GPTConfig(**arch)).eval()
+    return f'ckpt:{os.path.basename(path)}', model, raw, GPT(GPTConfig(**arch)).eval(), about
 
 
 # ---- one variant's step functions -------------------------------------------------------
@@ -232,11 +238,11 @@ def kv_bytes(model, batch_size, cache_len):
 # ---- the correctness gate -----------------------------------------------------------------
 
 @torch.no_grad()
-def check_logits(name_a, a, name_b, b, arch, seed):
-    """Teacher-forced fp32 logits of two models on one fixed random sequence; returns
-    max |Δ| / max |logit|. Raises GateError above GATE_RTOL."""
-    T = min(arch['block_size'], 128)
-    seq = torch.randint(0, arch['vocab_size'], (2, T), generator=torch.Generator().manual_seed(seed + 2))
+def check_logits(name_a, a, name_b, b, seed):
+    """Teacher-forced fp32 logits of two models of one shape on one fixed random sequence;
+    returns max |Δ| / max |logit|. Raises GateError above GATE_RTOL."""
+    T, V = min(a.config.block_size, 128), a.config.vocab_size
+    seq = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(seed + 2))
     seq = seq.to(a.transformer.wte.weight.device)
     la, lb = a(seq, seq)[0].float(), b(seq, seq)[0].float()
     diff, scale = (la - lb).abs().max().item(), la.abs().max().item()
@@ -246,13 +252,11 @@ def check_logits(name_a, a, name_b, b, arch, seed):
     return diff / scale
 
 
-def check_greedy(name_a, steps_a, name_b, steps_b, prompt, n, device_type, how):
-    """The first n greedy tokens through two models' step functions (their KV caches set up).
-    Raises GateError naming the first token that differs."""
-    ta = run_decode(steps_a, prompt, n - 1, device_type)[2]
-    tb = run_decode(steps_b, prompt, n - 1, device_type)[2]
-    if not torch.equal(ta, tb):
-        first = (ta != tb).any(dim=0).nonzero()[0].item()
+def check_tokens(name_a, tokens_a, name_b, tokens_b, how):
+    """Raise GateError, naming the first position that differs, unless two (B, n) greedy
+    token tensors are equal."""
+    if not torch.equal(tokens_a, tokens_b):
+        first = (tokens_a != tokens_b).any(dim=0).nonzero()[0].item()
         raise GateError(f"{name_a} vs {name_b} ({how}): greedy tokens differ from token {first} on")
 
 
@@ -279,16 +283,15 @@ def resolve(cfg):
         raise SystemExit(f"--mode={cfg['mode']!r}: choose 'decode' or 'last_token'")
     if cfg['compile'] not in ('both', 'eager', 'compiled'):
         raise SystemExit(f"--compile={cfg['compile']!r}: choose 'both', 'eager' or 'compiled'")
-    need = cfg['prompt_len'] + (cfg['new_tokens'] if cfg['mode'] == 'decode' else 0)
-    if need > cfg['block_size']:
-        raise SystemExit(f"prompt_len + new_tokens = {need} exceeds block_size {cfg['block_size']}: "
-                         "lower --prompt_len or --new_tokens")
-    dev = ('cuda' if torch.cuda.is_available() else 'cpu') if cfg['device'] == 'auto' else cfg['device']
-    dt = cfg['dtype']
-    if dt == 'auto':
-        dt = 'bfloat16' if dev.startswith('cuda') and torch.cuda.is_bf16_supported() else 'float32'
-    if dt not in ('float32', 'bfloat16', 'float16'):
-        raise SystemExit(f"--dtype={dt!r}: choose 'auto', 'float32', 'bfloat16' or 'float16'")
+    if cfg['mode'] == 'decode' and cfg['prompt_len'] + cfg['new_tokens'] > cfg['block_size']:
+        raise SystemExit(f"prompt_len + new_tokens = {cfg['prompt_len'] + cfg['new_tokens']} exceeds "
+                         f"block_size {cfg['block_size']}: lower --prompt_len or --new_tokens")
+    if cfg['prompt_len'] > cfg['block_size']:
+        raise SystemExit(f"prompt_len={cfg['prompt_len']} exceeds block_size {cfg['block_size']}")
+    try:
+        dev, dt = resolve_device(cfg['device'], cfg['dtype'])
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}")
     flags = {'both': [False, True], 'eager': [False], 'compiled': [True]}[cfg['compile']]
     return arch, dev, getattr(torch, dt), flags
 
@@ -312,15 +315,22 @@ def main(argv):
             extra = checkpoint_variants(cfg['ckpt'], cfg['seed'])
         except FileNotFoundError as e:
             raise SystemExit(str(e))
-        if P + N > extra[1].config.block_size:
-            raise SystemExit(f"prompt_len + new_tokens = {P + N} exceeds the checkpoint's context "
-                             f"{extra[1].config.block_size}")
+        limit = extra[1].config.block_size
+        if (P + N if cfg['mode'] == 'decode' else P) > limit:
+            raise SystemExit(f"the checkpoint's context is {limit} tokens: lower --prompt_len and "
+                             f"--new_tokens (e.g. --prompt_len={limit // 4} --new_tokens={limit // 2})")
     models, all_taper = build_variants(arch, cfg['seed'])
     reference = {name: 'baseline' for name in models}
+    gate_models = dict(models, all_taper=all_taper)  # fp32, for the correctness gate
+    gate_pairs = [('internal_unfused', 'internal_folded'), ('all_taper', 'all_folded')]
     if extra is not None:
-        name, model, base = extra
+        name, model, raw, base, about = extra
         models.update({'ckpt_baseline': base, name: model})
         reference.update({'ckpt_baseline': 'ckpt_baseline', name: 'ckpt_baseline'})
+        gate_models.update({'ckpt_baseline': base, name: model})
+        if raw is not None:
+            gate_models[f'{name} (TaperNorm)'] = raw
+            gate_pairs.append((f'{name} (TaperNorm)', name))
     names = list(models)
 
     print(f"bench: {cfg['size'] or 'custom'} {arch} | {', '.join(names)}")
@@ -328,23 +338,30 @@ def main(argv):
           f"threads={torch.get_num_threads()} | mode={cfg['mode']} batch_size={B} prompt_len={P} "
           f"new_tokens={N} | trials={cfg['trials']} (+1 warm-up) | "
           f"{' and '.join('compiled' if f else 'eager' for f in flags)}")
+    if extra is not None:
+        print(f"  ckpt {extra[4]}")
 
-    # the gate, in fp32, before anything is timed
-    gate_pairs = [('internal_unfused', 'internal_folded'), ('all_taper', 'all_folded')]
-    gate_models = dict(models, all_taper=all_taper)
-    gate_tokens = min(GATE_TOKENS, N + 1)
+    # Greedy tokens for the gate come from a prompt short enough for GATE_TOKENS − 1 decode
+    # steps; in decode mode that is the timed prompt, and the caches are the timed caches.
+    gate_tokens = min(GATE_TOKENS, N + 1) if cfg['mode'] == 'decode' else GATE_TOKENS
     gen = torch.Generator().manual_seed(cfg['seed'] + 3)
     prompt = torch.randint(0, arch['vocab_size'], (B, P), generator=gen).to(dev)
-    for m in gate_models.values():
+    prompts = {n: prompt % m.config.vocab_size for n, m in gate_models.items()}  # a checkpoint's vocabulary may be smaller
+    gate_prompts = {n: prompts[n][:, :min(P, m.config.block_size - gate_tokens + 1)]
+                    for n, m in gate_models.items()}
+    for n, m in gate_models.items():
         m.to(dev)
-        m.setup_caches(B, cache_len)  # once: CUDA graphs need the caches at fixed addresses
+        m.setup_caches(B, P + N if cfg['mode'] == 'decode' else gate_prompts[n].size(1) + gate_tokens - 1)
+
+    # the gate, in fp32, before anything is timed
     t0 = time.perf_counter()
     try:
-        gate = {f'{a} vs {b}': check_logits(a, gate_models[a], b, gate_models[b], arch, cfg['seed'])
+        gate = {f'{a} vs {b}': check_logits(a, gate_models[a], b, gate_models[b], cfg['seed'])
                 for a, b in gate_pairs}
+        eager_tokens = {n: run_decode(make_steps(m, False, device_type), gate_prompts[n], gate_tokens - 1,
+                                      device_type)[2] for n, m in gate_models.items()}
         for a, b in gate_pairs:
-            check_greedy(a, make_steps(gate_models[a], False, device_type), b,
-                         make_steps(gate_models[b], False, device_type), prompt, gate_tokens, device_type, 'eager')
+            check_tokens(a, eager_tokens[a], b, eager_tokens[b], 'eager')
     except GateError as e:
         raise SystemExit(f"correctness gate failed, no speed reported: {e}")
     print("  gate (fp32, eager): " + ', '.join(f"{k}: max|Δ logit|/max|logit| {v:.1e}" for k, v in gate.items())
@@ -354,7 +371,6 @@ def main(argv):
     for m in models.values():
         m.to(dtype=dtype)  # weights and KV caches
     run = run_decode if cfg['mode'] == 'decode' else run_last_token
-    prompts = {n: prompt % m.config.vocab_size for n, m in models.items()}  # a checkpoint's vocabulary may be smaller
 
     results = []
     for compiled in flags:
@@ -366,16 +382,19 @@ def main(argv):
             warm[n] = time.perf_counter() - t0
             if compiled:
                 print(f"  compiled {n} in {warm[n]:.1f} s (the warm-up trial)")
-        if compiled:  # the compiled steps that will be timed pass the gate too
-            a, b = gate_pairs[0]
-            if dtype == torch.float32:
-                try:
-                    check_greedy(a, steps[a], b, steps[b], prompt, gate_tokens, device_type, 'compiled')
-                except GateError as e:
-                    raise SystemExit(f"correctness gate failed, no speed reported: {e}")
-                print(f"  gate (fp32, compiled): first {gate_tokens} greedy tokens identical")
-            else:  # rounding in 16 bits may flip a near-tie of random logits: no reliable check
-                print(f"  gate (compiled): not run in {dtype}; --dtype=float32 runs it")
+        if compiled and dtype == torch.float32:  # the compiled steps that will be timed pass the gate too
+            try:
+                for n in names:
+                    if cfg['mode'] == 'decode':
+                        tokens = run_decode(steps[n], gate_prompts[n], gate_tokens - 1, device_type)[2]
+                    else:  # a full forward gives the first greedy token
+                        tokens = steps[n][2](gate_prompts[n])
+                    check_tokens(f'{n} compiled', tokens, f'{n} eager', eager_tokens[n][:, :tokens.size(1)], 'fp32')
+            except GateError as e:
+                raise SystemExit(f"correctness gate failed, no speed reported: {e}")
+            print(f"  gate (fp32, compiled): every variant's greedy tokens equal its eager ones")
+        elif compiled:  # rounding in 16 bits may flip a near-tie of random logits: no reliable check
+            print(f"  gate (compiled): not run in {dtype}; --dtype=float32 runs it")
         times = {n: [] for n in names}
         peak = {}
         for _ in range(cfg['trials']):
@@ -401,13 +420,17 @@ def main(argv):
             r['speedup_vs_baseline'] = r['tokens_per_s'] / by_name[reference[r['variant']]]['tokens_per_s']
 
     print_table(results)
-    if cfg['profile']:
+    if cfg['profile'] and cfg['mode'] != 'decode':
+        print("--profile: profiles a decode step, so it needs --mode=decode")
+    elif cfg['profile']:
         profile_step(models, steps if flags[-1] else None, prompt, B, cache_len, device_type, cfg['mode'])
     record = {'device': torch.cuda.get_device_name(dev) if device_type == 'cuda' else f'cpu ({os.cpu_count()} cores)',
               'torch': torch.__version__,
-              'config': dict(size=cfg['size'], **{k: arch[k] for k in ('n_layer', 'n_head', 'n_embd', 'vocab_size')},
+              'config': dict(size=cfg['size'], **{k: arch[k] for k in ('n_layer', 'n_head', 'n_embd', 'vocab_size',
+                                                                       'block_size')},
                              batch_size=B, prompt_len=P, new_tokens=N, dtype=str(dtype).removeprefix('torch.'),
-                             trials=cfg['trials'], seed=cfg['seed'], mode=cfg['mode']),
+                             trials=cfg['trials'], seed=cfg['seed'], mode=cfg['mode'], compile=cfg['compile'],
+                             ckpt=cfg['ckpt']),
               'gate': gate, 'results': results}
     print(json.dumps(record))
     return record

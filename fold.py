@@ -15,7 +15,8 @@ then gets its own weight: the token embedding keeps the old one. The folded mode
 
 The script checks its work: it prints the largest |Δ logit| between the unfolded model at
 g = 0 and the folded one on a batch of validation tokens (random tokens when the dataset is not
-on disk), and the parameter and byte counts before and after.
+on disk), and writes nothing if that exceeds FOLD_RTOL of the largest logit; then the parameter
+and byte counts before and after.
 """
 
 import os
@@ -36,6 +37,7 @@ seed = 1337         # picks the check's windows (or its random tokens)
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, str))}
 
+FOLD_RTOL = 1e-4  # the check: max |Δ logit| must stay below FOLD_RTOL · max |logit| (fp32 rounding is ~1e-6)
 FOLD_INTO = {'ln_1': 'attn.c_attn', 'ln_2': 'mlp.c_fc', 'ln_f': 'lm_head'}  # a norm -> the layer it feeds
 NORM_KEYS = ('weight', 'bias', 'weight_tilde', 'bias_tilde', 'c', 'calib_num', 'calib_den')
 
@@ -106,6 +108,8 @@ def check_tokens(ckpt_dict, batch_size, seed):
     args, cfg = ckpt_dict['model_args'], ckpt_dict.get('config', {})
     T, rng = args['block_size'], np.random.default_rng(seed)
     path = os.path.join(cfg.get('data_dir', 'data'), cfg.get('dataset', ''), 'val.bin')
+    if not os.path.isfile(path):  # a relative data_dir is relative to where train.py ran: the repo, usually
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
     if os.path.isfile(path):
         data = np.memmap(path, dtype=np.uint16, mode='r')
         if len(data) >= T:
@@ -124,6 +128,8 @@ def main(argv):
         raise SystemExit("usage: python fold.py --ckpt=OUT_DIR/ckpt.pt --out=FOLDED.pt")
     if os.path.abspath(cfg['ckpt']) == os.path.abspath(cfg['out']):
         raise SystemExit("--out must differ from --ckpt: folding keeps the trained checkpoint")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(cfg['out']))):
+        raise SystemExit(f"--out={cfg['out']}: its folder does not exist; create it first")
     try:
         unfolded, ck = GPT.from_checkpoint(cfg['ckpt'], cfg['device'])
         sd, args = fold_state_dict(ck['model'], ck['model_args'])
@@ -141,6 +147,11 @@ def main(argv):
         after, _ = folded(tokens, tokens)
     diff = (before.float() - after.float()).abs().max().item()
     scale = before.float().abs().max().item()
+
+    if not diff <= FOLD_RTOL * scale:
+        raise SystemExit(f"the folded model's logits differ from the unfolded model's by {diff:.3e} "
+                         f"(max |logit| {scale:.3e}, tolerance {FOLD_RTOL:g} of it): nothing written. "
+                         "This is a bug; please report it with the checkpoint's model_args")
 
     out_ckpt = {k: v for k, v in ck.items() if k != 'optimizer'}  # the optimizer state is for training
     names = [n for n, _ in fold_pairs(ck['model_args'])]

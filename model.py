@@ -360,7 +360,8 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_params(self):
-        """Parameters of the tied model, γ̃ and β̃ excluded (they replace γ, β at inference)."""
+        """Parameters, each shared tensor once (the tied embedding and head count once), with γ̃
+        and β̃ excluded (they replace γ, β at inference)."""
         return sum(p.numel() for n, p in self.named_parameters() if '_tilde' not in n)
 
     def tapernorms(self):
@@ -534,10 +535,13 @@ class GPT(nn.Module):
         static KV cache and then decodes one token per step; use_cache=False recomputes the
         whole sequence every step (the reference the cache is tested against).
         return_logits: also return the fp32 logits each new token was chosen from, (B, N, V).
-        Raises ValueError when T0 + max_new_tokens > block_size (the limit is given).
+        Raises ValueError when max_new_tokens < 0 or T0 + max_new_tokens > block_size (the
+        limit is given).
         """
         B, T0 = idx.shape
         total, limit = T0 + max_new_tokens, self.config.block_size
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
         if total > limit:
             raise ValueError(f"a prompt of {T0} tokens + {max_new_tokens} new tokens = {total} positions "
                              f"exceeds the model's context of {limit}; ask for at most "
@@ -545,16 +549,16 @@ class GPT(nn.Module):
         if use_cache:
             self.setup_caches(B, total)
             logits, _ = self(idx, input_pos=torch.arange(T0, device=idx.device))  # prefill
-        out, all_logits = idx, []
+        out, all_logits = idx, [torch.empty(B, 0, self.config.vocab_size, device=idx.device)]
         for t in range(T0, total):
             if not use_cache:
                 logits, _ = self(out)
             elif t > T0:  # decode: one token at position t − 1
                 logits, _ = self(out[:, -1:], input_pos=torch.tensor([t - 1], device=idx.device))
             logits = logits[:, -1, :].float()  # (B, V)
-            all_logits.append(logits)
+            all_logits.append(logits[:, None])
             out = torch.cat([out, sample_next(logits, temperature, top_k, generator)], dim=1)
-        return (out, torch.stack(all_logits, dim=1)) if return_logits else out
+        return (out, torch.cat(all_logits, dim=1)) if return_logits else out
 
     @torch.no_grad()
     def unfused(self):

@@ -14,7 +14,7 @@ import torch
 
 from data.common import decode, encode
 from model import GPT
-from train import ConfigError, parse_args
+from train import ConfigError, parse_args, resolve_device
 
 # -----------------------------------------------------------------------------
 ckpt = ''                   # a train.py or fold.py checkpoint
@@ -25,7 +25,7 @@ temperature = 0.8           # 0: greedy; higher: more random
 top_k = 200                 # keep only the top_k most likely tokens; 0: all
 seed = 1337
 device = 'auto'             # 'auto' (cuda if available, else cpu) | 'cpu' | 'cuda' ...
-dtype = 'auto'              # 'auto' (bfloat16 weights on CUDA where supported, else float32) | 'float32' | 'bfloat16'
+dtype = 'auto'              # 'auto' (bfloat16 weights on CUDA where supported, else float32) | 'float32' | 'bfloat16' | 'float16'
 compile = False             # torch.compile the model (worth it on a GPU for long samples)
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items()
@@ -54,10 +54,10 @@ def main(argv):
         raise SystemExit("usage: python sample.py --ckpt=OUT_DIR/ckpt.pt [--start=...]")
     if cfg['temperature'] < 0 or cfg['top_k'] < 0 or cfg['num_samples'] < 1 or cfg['max_new_tokens'] < 0:
         raise SystemExit("need temperature >= 0, top_k >= 0, num_samples >= 1, max_new_tokens >= 0")
-    dev = ('cuda' if torch.cuda.is_available() else 'cpu') if cfg['device'] == 'auto' else cfg['device']
-    dt = cfg['dtype']
-    if dt == 'auto':
-        dt = 'bfloat16' if dev.startswith('cuda') and torch.cuda.is_bf16_supported() else 'float32'
+    try:
+        dev, dt = resolve_device(cfg['device'], cfg['dtype'])
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}")
     torch.manual_seed(cfg['seed'])
 
     try:
@@ -77,11 +77,14 @@ def main(argv):
     if not prompt:
         raise SystemExit("the prompt is empty: give at least one character with --start")
     block_size = ck['model_args']['block_size']
-    new = cfg['max_new_tokens'] or block_size - len(prompt)
-    if len(prompt) + new > block_size:
+    if len(prompt) >= block_size:
+        raise SystemExit(f"the prompt is {len(prompt)} tokens; the checkpoint's context of {block_size} "
+                         f"leaves room for new tokens only after a prompt of at most {block_size - 1}")
+    room = block_size - len(prompt)
+    new = cfg['max_new_tokens'] or room
+    if new > room:
         raise SystemExit(f"a prompt of {len(prompt)} tokens + {new} new tokens exceeds the checkpoint's "
-                         f"context of {block_size}: use --max_new_tokens={max(block_size - len(prompt), 0)} "
-                         "or less, or a shorter prompt")
+                         f"context of {block_size}: use --max_new_tokens={room} or less, or a shorter prompt")
     idx = torch.tensor([prompt], dtype=torch.long, device=dev)
     samples = []
     for _ in range(cfg['num_samples']):

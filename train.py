@@ -94,8 +94,8 @@ def check_type(defaults, key, value, where):
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if type(value) is not type(default):
-        raise ConfigError(f"{where}: {key}={value!r} is a {type(value).__name__}, "
-                          f"expected a {type(default).__name__} like the default {default!r}")
+        raise ConfigError(f"{where}: {key}={value!r} is of type {type(value).__name__}, "
+                          f"expected {type(default).__name__} like the default {default!r}")
     return value
 
 
@@ -200,6 +200,23 @@ def validate_config(cfg):
                               f"{cfg['max_iters']}: the gate must reach 0 before training ends")
     if cfg['aux_weight'] < 0:
         raise ConfigError(f"aux_weight={cfg['aux_weight']} must be >= 0")
+
+
+def resolve_device(device, dtype):
+    """Resolve the device and dtype settings shared by the scripts: returns (device, dtype name).
+
+    device 'auto' is cuda when available, else cpu; dtype 'auto' is bfloat16 on a CUDA device
+    that supports it, else float32. Raises ConfigError for a dtype other than auto, float32,
+    bfloat16 or float16, or a CUDA device on a machine without one.
+    """
+    dev = ('cuda' if torch.cuda.is_available() else 'cpu') if device == 'auto' else device
+    if dev.startswith('cuda') and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r}: this machine has no CUDA device; use --device=cpu")
+    if dtype == 'auto':
+        dtype = 'bfloat16' if dev.startswith('cuda') and torch.cuda.is_bf16_supported() else 'float32'
+    if dtype not in ('float32', 'bfloat16', 'float16'):
+        raise ConfigError(f"dtype={dtype!r}: choose 'auto', 'float32', 'bfloat16' or 'float16'")
+    return dev, dtype
 
 
 # -----------------------------------------------------------------------------
@@ -310,7 +327,10 @@ def main(argv):
 
     # ---- devices and processes ----
     ddp = int(os.environ.get('RANK', -1)) != -1  # launched by torchrun
-    dev = ('cuda' if torch.cuda.is_available() else 'cpu') if cfg.device == 'auto' else cfg.device
+    try:
+        dev, dt = resolve_device(cfg.device, cfg.dtype)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}")
     if ddp:
         rank, local_rank, world = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))
         if dev.startswith('cuda'):
@@ -322,10 +342,6 @@ def main(argv):
         rank, local_rank, world = 0, 0, 1
     master = rank == 0
     device_type = 'cuda' if dev.startswith('cuda') else 'cpu'
-    if cfg.dtype == 'auto':
-        dt = 'bfloat16' if device_type == 'cuda' and torch.cuda.is_bf16_supported() else 'float32'
-    else:
-        dt = cfg.dtype
     use_compile = device_type == 'cuda' if cfg.compile == 'auto' else cfg.compile
     if device_type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True

@@ -21,9 +21,9 @@ def test_bench_runs_end_to_end_and_ends_with_one_json_line(capsys):
     bench.main(TINY)
     record = last_json(capsys)
     assert set(record) >= {'device', 'torch', 'config', 'results'}
-    assert record['config'] == dict(size='', n_layer=2, n_head=2, n_embd=32, vocab_size=128, batch_size=1,
-                                    prompt_len=8, new_tokens=8, dtype='float32', trials=2, seed=1337,
-                                    mode='decode')
+    assert record['config'] == dict(size='', n_layer=2, n_head=2, n_embd=32, vocab_size=128, block_size=64,
+                                    batch_size=1, prompt_len=8, new_tokens=8, dtype='float32', trials=2,
+                                    seed=1337, mode='decode', compile='eager', ckpt='')
     assert [r['variant'] for r in record['results']] == list(bench.VARIANTS)
     for r in record['results']:
         assert FIELDS <= set(r) and r['compiled'] is False
@@ -92,3 +92,38 @@ def test_a_checkpoint_is_timed_next_to_a_baseline_of_its_shape(tmp_path, capsys)
 def test_bad_settings_name_the_fix(args, message):
     with pytest.raises(SystemExit, match=message):
         bench.main(args)
+
+
+def test_compiled_path_passes_its_gate_without_recompiling(monkeypatch, capsys):
+    """The compiled code path, traced by dynamo (fullgraph) with the eager backend to stay fast."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, 'compile', lambda fn, mode=None, **kw: real_compile(fn, backend=counter, **kw))
+    bench.main(TINY[:-2] + ['--compile=compiled', '--device=cpu'])
+    out = capsys.readouterr().out
+    assert "every variant's greedy tokens equal its eager ones" in out
+    record = json.loads(out.strip().splitlines()[-1])
+    assert all(r['compiled'] and r['compile_s'] > 0 for r in record['results'])
+    assert counter.frame_count == 2 * len(bench.VARIANTS)  # a prefill and a decode graph each, no more
+    torch._dynamo.reset()
+
+
+def test_last_token_mode_accepts_a_prompt_near_the_context(capsys):
+    bench.main(TINY + ['--mode=last_token', '--prompt_len=60', '--new_tokens=100'])
+    assert last_json(capsys)['config']['prompt_len'] == 60
+
+
+def test_a_raw_linear_phase_checkpoint_is_gated_against_its_tapernorm_form(tmp_path, capsys):
+    model = bench.linear_phase_model(dict(n_layer=2, n_embd=32, n_head=2, vocab_size=100, block_size=32),
+                                     'all', 0)
+    path = tmp_path / 'raw.pt'
+    train.save_checkpoint({'model': model.state_dict(), 'model_args': vars(model.config)}, str(path))
+    bench.main(TINY + [f'--ckpt={path}'])
+    out = capsys.readouterr().out
+    assert 'phase=linear g=0 (timed unfused)' in out
+    assert 'ckpt:raw.pt (TaperNorm) vs ckpt:raw.pt' in out
+    with pytest.raises(SystemExit, match="context is 32 tokens: lower --prompt_len"):
+        bench.main(TINY + [f'--ckpt={path}', '--prompt_len=20', '--new_tokens=20'])

@@ -247,3 +247,41 @@ def test_sample_errors_name_the_fix(trained, tmp_path):
                            'meta': {'vocab_size': 96, 'tokenizer': 'toy'}}, toy)
     with pytest.raises(SystemExit, match='no tokenizer table'):
         sample.main([f'--ckpt={toy}'])
+
+
+def test_sample_refuses_a_prompt_that_fills_the_context_and_bad_devices(trained, tmp_path):
+    prompt = tmp_path / 'long.txt'
+    prompt.write_text('the cat sat on a mat ' * 20)  # well over the 32-token context
+    with pytest.raises(SystemExit, match='leaves room for new tokens only after a prompt of at most 31'):
+        sample.main([f'--ckpt={trained}', f'--start=FILE:{prompt}'])
+    with pytest.raises(SystemExit, match="dtype='fp16'"):
+        sample.main([f'--ckpt={trained}', '--dtype=fp16'])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match='no CUDA device; use --device=cpu'):
+            sample.main([f'--ckpt={trained}', '--device=cuda'])
+
+
+def test_fold_writes_nothing_when_its_check_fails(trained, tmp_path, monkeypatch):
+    fold_properly = fold.fold_state_dict
+
+    def off_by_a_bit(sd, args):
+        sd, args = fold_properly(sd, args)
+        sd['transformer.h.0.mlp.c_fc.weight'] = sd['transformer.h.0.mlp.c_fc.weight'] * 1.01
+        return sd, args
+
+    monkeypatch.setattr(fold, 'fold_state_dict', off_by_a_bit)
+    out = tmp_path / 'bad.pt'
+    with pytest.raises(SystemExit, match='nothing written'):
+        fold.main([f'--ckpt={trained}', f'--out={out}'])
+    assert not out.exists()
+    with pytest.raises(SystemExit, match='folder does not exist'):
+        fold.main([f'--ckpt={trained}', f'--out={tmp_path / "no" / "such.pt"}'])
+
+
+def test_generate_argument_checks():
+    model = linear_phase()
+    idx = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match='max_new_tokens=-1'):
+        model.generate(idx, -1)
+    out, logits = model.generate(idx, 0, return_logits=True)
+    assert torch.equal(out, idx) and logits.shape == (2, 0, 96)

@@ -78,8 +78,8 @@ def test_config_files_compose_and_overrides_win():
 
 @pytest.mark.parametrize('args, message', [
     (['--n_layers=4'], "unknown config key 'n_layers'"),
-    (['--n_layer=4.5'], 'n_layer=4.5 is a float'),
-    (['--bias=1'], 'bias=1 is a int'),
+    (['--n_layer=4.5'], 'n_layer=4.5 is of type float'),
+    (['--bias=1'], 'bias=1 is of type int'),
     (['--compile=1'], 'compile=1'),
     (['--max_iters'], '--key=value'),
     (['config/nope.py'], 'not found'),
