@@ -510,6 +510,10 @@ def main(argv):
     if master:
         print(f"final_val_loss {final:.4f} (whole val split, non-overlapping windows of {cfg.block_size})")
     if ddp:
+        # free the DDP wrapper (its reducer holds the process group) before the group goes, with
+        # every rank done: gloo aborted at exit now and then when one rank tore down first
+        del train_model
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return raw_model
 
