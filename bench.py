@@ -21,11 +21,13 @@ within GATE_RTOL of the largest logit and on the first GATE_TOKENS greedy tokens
 timed variant's greedy tokens equal its eager ones. Otherwise no speed is reported.
 
 Decode: --prompt_len tokens are prefilled (time to first token, TTFT), then --new_tokens one-token
-decode steps. tokens/s = batch_size · new_tokens / decode time. The median over --trials trials
-after one warm-up trial (which includes any compilation, reported apart), the variants
-interleaved (A B C D A B C D ...) so that machine drift hits all alike. GB/s is the bytes one
-decode step must read (weights, the LM head once, batch_size embedding rows, and the whole static
-KV cache, which attention reads through the mask) divided by the step time.
+decode steps. tokens/s = batch_size · new_tokens / decode time; ms/step = decode time / new_tokens.
+The median over --trials trials after two warm-up trials (compile time, the first one's extra
+time, is reported apart), the variants interleaved (A B C D A B C D ...) so that machine drift
+hits all alike. GB/s is the bytes one decode step must read (weights, the LM head once,
+batch_size embedding rows, and the whole static KV cache, which attention reads through the
+mask) divided by the step time. Memory: analytic weight and KV-cache bytes; on CUDA, peak MB adds
+the most a trial allocated on top of them. fp32 means fp32: TF32 matmuls are left off.
 The last line printed is one JSON object with the configuration and every result.
 """
 
@@ -36,6 +38,7 @@ import statistics
 import sys
 import time
 import types
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -98,11 +101,7 @@ def linear_phase_model(arch, taper, seed):
 
 def folded_model(model):
     """The model rewritten by fold.py's fold_state_dict, as a GPT with folded=True."""
-    sd, args = fold_state_dict(model.state_dict(), vars(model.config))
-    folded = GPT(GPTConfig(**args))
-    folded.load_state_dict(sd)
-    folded.set_phase(folded.implied_phase())
-    return folded.eval()
+    return GPT.from_state_dict(*fold_state_dict(model.state_dict(), vars(model.config)))
 
 
 def build_variants(arch, seed):
@@ -112,17 +111,25 @@ def build_variants(arch, seed):
     internal = linear_phase_model(arch, 'internal', seed)
     all_taper = linear_phase_model(arch, 'all', seed)
     for name, p in baseline.named_parameters():  # the same weights everywhere they exist
-        assert torch.equal(p, internal.get_parameter(name)), name
+        if not torch.equal(p, internal.get_parameter(name)):
+            raise RuntimeError(f"baseline and Internal-Taper models differ in {name}: same seed, same init expected")
     return {'baseline': baseline,
             'internal_unfused': copy.deepcopy(internal).unfused(),
             'internal_folded': folded_model(internal),
             'all_folded': folded_model(all_taper)}, all_taper
 
 
+class CheckpointRun(NamedTuple):
+    name: str                # 'ckpt:FILE'
+    model: GPT               # as timed
+    raw: Optional[GPT]       # its TaperNorm form, for the gate, when timed unfused
+    baseline: GPT            # random weights, the checkpoint's shape
+    about: str               # one line: taper, norm, folded, phase, g
+
+
 def checkpoint_variants(path, seed):
-    """For --ckpt: (name, model as timed, its TaperNorm form or None, baseline of the same shape,
-    a line describing it). A raw linear-phase checkpoint is timed unfused (each tapered norm one
-    multiply); its TaperNorm form is kept for the correctness gate."""
+    """For --ckpt: a CheckpointRun. A raw linear-phase checkpoint is timed unfused (each tapered
+    norm one multiply); its TaperNorm form is kept for the correctness gate."""
     model, ck = GPT.from_checkpoint(path, 'cpu')
     c, raw = model.config, None
     about = f"{path}: taper={c.taper} norm={c.norm} folded={c.folded} phase={model.phase} g={model.gate.item():.4g}"
@@ -135,13 +142,19 @@ def checkpoint_variants(path, seed):
     arch = dict(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, vocab_size=c.vocab_size,
                 block_size=c.block_size, bias=c.bias, norm=c.norm, norm_eps=c.norm_eps)
     torch.manual_seed(seed)
-    return f'ckpt:{os.path.basename(path)}', model, raw, GPT(GPTConfig(**arch)).eval(), about
+    return CheckpointRun(f'ckpt:{os.path.basename(path)}', model, raw, GPT(GPTConfig(**arch)).eval(), about)
 
 
 # ---- one variant's step functions -------------------------------------------------------
 
+class Steps(NamedTuple):
+    prefill: Callable        # (idx (B, P), input_pos (P,)) -> next token (B, 1)
+    decode: Callable         # (tok (B, 1), input_pos (1,)) -> next token (B, 1)
+    forward_last: Callable   # (idx (B, P)) -> next token (B, 1), no cache (--mode=last_token)
+
+
 def make_steps(model, compiled, device_type):
-    """(prefill, decode, forward_last) for one model: prefill(idx (B, P), input_pos (P,)) and
+    """Steps(prefill, decode, forward_last) for one model: prefill(idx (B, P), input_pos (P,)) and
     decode(tok (B, 1), input_pos (1,)) return the greedy next token (B, 1); forward_last(idx)
     runs the full sequence without a cache (--mode=last_token). Compiled as gpt-fast does:
     fullgraph, static shapes; on CUDA "reduce-overhead" (CUDA graphs: no per-kernel launch
@@ -157,10 +170,10 @@ def make_steps(model, compiled, device_type):
         return logits[:, -1].argmax(dim=-1, keepdim=True)
 
     if not compiled:
-        return step, step, forward_last
+        return Steps(step, step, forward_last)
     mode = 'reduce-overhead' if device_type == 'cuda' else None
     step = torch.compile(own_code(step), fullgraph=True, dynamic=False, mode=mode)  # one graph per shape
-    return step, step, torch.compile(own_code(forward_last), fullgraph=True, dynamic=False, mode=mode)
+    return Steps(step, step, torch.compile(own_code(forward_last), fullgraph=True, dynamic=False, mode=mode))
 
 
 def own_code(fn):
@@ -178,7 +191,7 @@ def sync(device_type):
 
 def run_decode(steps, prompt, new, device_type):
     """Prefill, then `new` decode steps. Returns (ttft_s, decode_s, tokens (B, new + 1))."""
-    prefill, decode, _ = steps
+    prefill, decode = steps.prefill, steps.decode
     P = prompt.size(1)
     prefill_pos = torch.arange(P, device=prompt.device)
     pos = torch.tensor([P], device=prompt.device)  # advanced in place: one tensor, no new shapes
@@ -199,7 +212,7 @@ def run_decode(steps, prompt, new, device_type):
 
 def run_last_token(steps, prompt, new, device_type):
     """`new` full forwards of the prompt, last position only. Returns (None, seconds, tokens)."""
-    forward_last = steps[2]
+    forward_last = steps.forward_last
     sync(device_type)
     t0 = time.perf_counter()
     out = [forward_last(prompt).clone() for _ in range(new)]
@@ -216,17 +229,18 @@ def weight_bytes(model):
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def step_bytes(model, batch_size, cache_len, mode):
+def step_bytes(model, batch_size, seq_len, mode):
     """Bytes one step must read: the weights, with the LM head once and only batch_size rows of
-    the token and position embeddings, plus the whole static KV cache (decode mode)."""
+    the token and position embeddings (batch_size · seq_len in last_token mode), plus the whole
+    static KV cache of seq_len positions (decode mode)."""
     c, e = model.config, model.transformer.wte.weight.element_size()
     total = weight_bytes(model) - model.transformer.wpe.weight.numel() * e  # wpe: B rows only
     if c.untied_head():  # the embedding is its own table: B rows read, not V
         total -= model.transformer.wte.weight.numel() * e
-    rows = batch_size * (1 if mode == 'decode' else cache_len)
+    rows = batch_size * (1 if mode == 'decode' else seq_len)
     total += 2 * rows * c.n_embd * e  # token + position embedding rows
     if mode == 'decode':
-        total += kv_bytes(model, batch_size, cache_len)
+        total += kv_bytes(model, batch_size, seq_len)
     return total
 
 
@@ -252,7 +266,7 @@ def check_logits(name_a, a, name_b, b, seed):
     return diff / scale
 
 
-def check_tokens(name_a, tokens_a, name_b, tokens_b, how):
+def assert_same_tokens(name_a, tokens_a, name_b, tokens_b, how):
     """Raise GateError, naming the first position that differs, unless two (B, n) greedy
     token tensors are equal."""
     if not torch.equal(tokens_a, tokens_b):
@@ -307,7 +321,7 @@ def main(argv):
     B, P, N = cfg['batch_size'], cfg['prompt_len'], cfg['new_tokens']
     cache_len = P + N
     if device_type == 'cuda':
-        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.cuda.set_device(dev)  # sync and memory statistics then refer to this device
 
     extra = None
     if cfg['ckpt']:
@@ -315,7 +329,7 @@ def main(argv):
             extra = checkpoint_variants(cfg['ckpt'], cfg['seed'])
         except FileNotFoundError as e:
             raise SystemExit(str(e))
-        limit = extra[1].config.block_size
+        limit = extra.model.config.block_size
         if (P + N if cfg['mode'] == 'decode' else P) > limit:
             raise SystemExit(f"the checkpoint's context is {limit} tokens: lower --prompt_len and "
                              f"--new_tokens (e.g. --prompt_len={limit // 4} --new_tokens={limit // 2})")
@@ -324,7 +338,7 @@ def main(argv):
     gate_models = dict(models, all_taper=all_taper)  # fp32, for the correctness gate
     gate_pairs = [('internal_unfused', 'internal_folded'), ('all_taper', 'all_folded')]
     if extra is not None:
-        name, model, raw, base, about = extra
+        name, model, raw, base, _ = extra
         models.update({'ckpt_baseline': base, name: model})
         reference.update({'ckpt_baseline': 'ckpt_baseline', name: 'ckpt_baseline'})
         gate_models.update({'ckpt_baseline': base, name: model})
@@ -336,10 +350,12 @@ def main(argv):
     print(f"bench: {cfg['size'] or 'custom'} {arch} | {', '.join(names)}")
     print(f"  device={dev} dtype={str(dtype).removeprefix('torch.')} torch={torch.__version__} "
           f"threads={torch.get_num_threads()} | mode={cfg['mode']} batch_size={B} prompt_len={P} "
-          f"new_tokens={N} | trials={cfg['trials']} (+1 warm-up) | "
+          f"new_tokens={N} | trials={cfg['trials']} (+2 warm-up) | "
           f"{' and '.join('compiled' if f else 'eager' for f in flags)}")
+    if cfg['trials'] < 5:
+        print(f"  note: {cfg['trials']} trials; medians of fewer than 5 are noisy")
     if extra is not None:
-        print(f"  ckpt {extra[4]}")
+        print(f"  ckpt {extra.about}")
 
     # Greedy tokens for the gate come from a prompt short enough for GATE_TOKENS − 1 decode
     # steps; in decode mode that is the timed prompt, and the caches are the timed caches.
@@ -361,7 +377,7 @@ def main(argv):
         eager_tokens = {n: run_decode(make_steps(m, False, device_type), gate_prompts[n], gate_tokens - 1,
                                       device_type)[2] for n, m in gate_models.items()}
         for a, b in gate_pairs:
-            check_tokens(a, eager_tokens[a], b, eager_tokens[b], 'eager')
+            assert_same_tokens(a, eager_tokens[a], b, eager_tokens[b], 'eager')
     except GateError as e:
         raise SystemExit(f"correctness gate failed, no speed reported: {e}")
     print("  gate (fp32, eager): " + ', '.join(f"{k}: max|Δ logit|/max|logit| {v:.1e}" for k, v in gate.items())
@@ -375,46 +391,50 @@ def main(argv):
     results = []
     for compiled in flags:
         steps = {n: make_steps(m, compiled, device_type) for n, m in models.items()}
-        warm = {}
-        for n in names:  # the warm-up trial: compilation, caches, allocator
+        compile_s = {}
+        for n in names:  # two warm-up trials: compilation (CUDA graphs record on a second call), allocator
             t0 = time.perf_counter()
             run(steps[n], prompts[n], N, device_type)
-            warm[n] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            run(steps[n], prompts[n], N, device_type)
+            compile_s[n] = (t1 - t0) - (time.perf_counter() - t1)  # the first trial's extra time
             if compiled:
-                print(f"  compiled {n} in {warm[n]:.1f} s (the warm-up trial)")
+                print(f"  compiled {n} in {compile_s[n]:.1f} s")
         if compiled and dtype == torch.float32:  # the compiled steps that will be timed pass the gate too
             try:
                 for n in names:
                     if cfg['mode'] == 'decode':
                         tokens = run_decode(steps[n], gate_prompts[n], gate_tokens - 1, device_type)[2]
                     else:  # a full forward gives the first greedy token
-                        tokens = steps[n][2](gate_prompts[n])
-                    check_tokens(f'{n} compiled', tokens, f'{n} eager', eager_tokens[n][:, :tokens.size(1)], 'fp32')
+                        tokens = steps[n].forward_last(gate_prompts[n])
+                    assert_same_tokens(f'{n} compiled', tokens, f'{n} eager', eager_tokens[n][:, :tokens.size(1)], 'fp32')
             except GateError as e:
                 raise SystemExit(f"correctness gate failed, no speed reported: {e}")
             print(f"  gate (fp32, compiled): every variant's greedy tokens equal its eager ones")
         elif compiled:  # rounding in 16 bits may flip a near-tie of random logits: no reliable check
             print(f"  gate (compiled): not run in {dtype}; --dtype=float32 runs it")
         times = {n: [] for n in names}
-        peak = {}
+        transient = {}  # CUDA: the most a trial allocates on top of what is resident
         for _ in range(cfg['trials']):
             for n in names:  # interleaved: A B C D A B C D ...
                 if device_type == 'cuda':
                     torch.cuda.reset_peak_memory_stats()
+                    resident = torch.cuda.memory_allocated()
                 times[n].append(run(steps[n], prompts[n], N, device_type)[:2])
                 if device_type == 'cuda':
-                    peak[n] = torch.cuda.max_memory_allocated()
+                    transient[n] = max(transient.get(n, 0), torch.cuda.max_memory_allocated() - resident)
         for n in names:
             ttft = statistics.median(t[0] for t in times[n]) if cfg['mode'] == 'decode' else None
             step_s = statistics.median(t[1] for t in times[n]) / N
+            kv = kv_bytes(models[n], B, cache_len) if cfg['mode'] == 'decode' else 0
             results.append(dict(
                 variant=n, compiled=compiled, tokens_per_s=B / step_s, ms_per_token=1000 * step_s,
                 ttft_ms=None if ttft is None else 1000 * ttft,
                 gbps=step_bytes(models[n], B, cache_len if cfg['mode'] == 'decode' else P, cfg['mode']) / step_s / 1e9,
                 weight_mb=weight_bytes(models[n]) / 1e6,
-                kv_mb=kv_bytes(models[n], B, cache_len) / 1e6 if cfg['mode'] == 'decode' else 0.0,
-                peak_mb=peak[n] / 1e6 if n in peak else None,
-                compile_s=warm[n] if compiled else None))
+                kv_mb=kv / 1e6,
+                peak_mb=(weight_bytes(models[n]) + kv + transient[n]) / 1e6 if n in transient else None,
+                compile_s=compile_s[n] if compiled else None))
         by_name = {r['variant']: r for r in results if r['compiled'] == compiled}
         for r in by_name.values():
             r['speedup_vs_baseline'] = r['tokens_per_s'] / by_name[reference[r['variant']]]['tokens_per_s']
@@ -439,7 +459,7 @@ def main(argv):
 def print_table(results):
     def fmt(v, spec):
         return '-' if v is None else format(v, spec)
-    print(f"\n{'variant':<22} {'compiled':>8} {'tokens/s':>10} {'ms/token':>9} {'TTFT ms':>8} "
+    print(f"\n{'variant':<22} {'compiled':>8} {'tokens/s':>10} {'ms/step':>9} {'TTFT ms':>8} "
           f"{'speed-up':>8} {'GB/s':>7} {'weights MB':>10} {'KV MB':>7} {'peak MB':>8}")
     for r in results:
         print(f"{r['variant']:<22} {str(r['compiled']):>8} {r['tokens_per_s']:>10,.1f} {r['ms_per_token']:>9.3f} "
@@ -457,15 +477,15 @@ def profile_step(models, compiled_steps, prompt, B, cache_len, device_type, mode
         eager = make_steps(models[n], False, device_type)
         for how, steps in [('eager', eager)] + ([('compiled', compiled_steps[n])] if compiled_steps else []):
             P = prompt.size(1)
-            tok = steps[0](prompt, torch.arange(P, device=prompt.device)).clone()
+            tok = steps.prefill(prompt, torch.arange(P, device=prompt.device)).clone()
             pos = torch.tensor([P], device=prompt.device)
             for _ in range(3):
-                steps[1](tok, pos)
+                steps.decode(tok, pos)
             sync(device_type)
             with torch_profile(activities=activities) as prof:
-                steps[1](tok, pos)
+                steps.decode(tok, pos)
                 sync(device_type)
-            key = 'self_cuda_time_total' if device_type == 'cuda' else 'self_cpu_time_total'
+            key = 'self_device_time_total' if device_type == 'cuda' else 'self_cpu_time_total'
             print(f"---- profile: one decode step of {n} ({how}) ----")
             print(prof.key_averages().table(sort_by=key, row_limit=14))
 

@@ -25,7 +25,7 @@ import sys
 import numpy as np
 import torch
 
-from model import GPT, GPTConfig
+from model import GPT
 from train import ConfigError, parse_args, save_checkpoint
 
 # -----------------------------------------------------------------------------
@@ -102,7 +102,7 @@ def model_size(model):
     return params, sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def check_tokens(ckpt_dict, batch_size, seed):
+def check_batch(ckpt_dict, batch_size, seed):
     """A (batch_size, block_size) batch of val tokens from the checkpoint's dataset, or random
     tokens when that val.bin is not on disk. Returns (tokens, where they came from)."""
     args, cfg = ckpt_dict['model_args'], ckpt_dict.get('config', {})
@@ -135,12 +135,9 @@ def main(argv):
         sd, args = fold_state_dict(ck['model'], ck['model_args'])
     except (FileNotFoundError, FoldError) as e:
         raise SystemExit(f"cannot fold {cfg['ckpt']}: {e}")
-    folded = GPT(GPTConfig(**args))
-    folded.load_state_dict(sd)
-    folded.set_phase(folded.implied_phase())
-    folded.to(cfg['device']).eval()
+    folded = GPT.from_state_dict(sd, args).to(cfg['device'])
 
-    tokens, source = check_tokens(ck, cfg['batch_size'], cfg['seed'])
+    tokens, source = check_batch(ck, cfg['batch_size'], cfg['seed'])
     tokens = tokens.to(cfg['device'])
     with torch.no_grad():
         before, _ = unfolded(tokens, tokens)  # with targets: the logits of every position

@@ -329,7 +329,8 @@ class GPT(nn.Module):
             h=nn.ModuleList([Block(config, make_norm) for _ in range(config.n_layer)]),
             ln_f=make_norm(final=True),
         ))
-        head_bias = config.untied_head() and config.norm == 'layernorm' and config.bias  # W β̃
+        # a folded LayerNorm's β̃ reaches the logits as W β̃: the folded head carries it as a bias (SPEC §5)
+        head_bias = config.untied_head() and config.norm == 'layernorm' and config.bias
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=head_bias)
         if not config.untied_head():  # folding ln_f gives the head its own weight W' (SPEC §5)
             self.transformer.wte.weight = self.lm_head.weight
@@ -461,14 +462,15 @@ class GPT(nn.Module):
 
         With targets: returns (logits (B, T, V), loss) where loss = cross-entropy + L_aux, and
         stores the detached parts in `self.last_metrics` (a ForwardMetrics).
-        Without: returns (logits of the last position (B, 1, V), None).
+        Without: returns (logits of the last position (B, 1, V), None); so a prefill returns
+        only the logits that choose the next token.
         L_aux = λ · mean_tokens (s(h) − s_tgt)² on the residual stream h before the final norm
         (SPEC §4), active in the taper and linear phases when λ > 0.
         input_pos: None for the ordinary causal forward, or the (T,) positions of idx to write
         into and attend over the KV caches (prefill: 0..T−1; decode: one position), after
         `setup_caches`. Positions are not range-checked here (that would sync with the host);
         `generate` checks them.
-        Raises ValueError if T > block_size.
+        Raises ValueError if T > block_size, RuntimeError for input_pos without setup_caches().
         """
         B, T = idx.size()
         if T > self.config.block_size:
@@ -586,6 +588,15 @@ class GPT(nn.Module):
         return 'taper' if self.gate.item() > 0 else 'linear'
 
     @classmethod
+    def from_state_dict(cls, state_dict, model_args):
+        """A model built from GPTConfig(**model_args) with state_dict loaded, in eval mode and
+        in the phase its buffers imply."""
+        model = cls(GPTConfig(**model_args))
+        model.load_state_dict(state_dict)
+        model.set_phase(model.implied_phase())
+        return model.eval()
+
+    @classmethod
     def from_checkpoint(cls, path, device='cpu'):
         """Load a train.py or fold.py checkpoint for inference: returns (model in eval mode,
         in the phase its buffers imply, the checkpoint dict).
@@ -596,10 +607,7 @@ class GPT(nn.Module):
             raise FileNotFoundError(f"checkpoint {path!r} not found: train.py writes OUT_DIR/ckpt.pt, "
                                     "fold.py writes its --out")
         ckpt = torch.load(path, map_location=device, weights_only=True)
-        model = cls(GPTConfig(**ckpt['model_args']))
-        model.load_state_dict(ckpt['model'])
-        model.set_phase(model.implied_phase())
-        return model.to(device).eval(), ckpt
+        return cls.from_state_dict(ckpt['model'], ckpt['model_args']).to(device), ckpt
 
     # ---- training helpers ---------------------------------------------------------------
 

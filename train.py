@@ -114,7 +114,8 @@ def parse_args(args, defaults, check=check_type):
     args: e.g. ['config/tinystories_all_taper.py', 'config/cpu.py', '--max_iters=200'].
     A config file is executed with the current values as its namespace (so an overlay can
     derive values from earlier ones) and `__file__` set. A value is read as a Python literal,
-    or else as a bare string (--dataset=austen). Raises ConfigError naming the key for an
+    or else as a bare string (--dataset=austen); a key whose default is a string keeps the text
+    when the literal does not fit it (--start=1984). Raises ConfigError naming the key for an
     unknown key, a wrong type (check(defaults, key, value, where)) or a missing file.
     """
     cfg = dict(defaults)
@@ -129,7 +130,12 @@ def parse_args(args, defaults, check=check_type):
                 value = ast.literal_eval(text)
             except (SyntaxError, ValueError):
                 value = text  # a bare word is a string: --dataset=austen
-            cfg[key] = check(defaults, key, value, arg)
+            try:
+                cfg[key] = check(defaults, key, value, arg)
+            except ConfigError:
+                if value is text or not isinstance(defaults[key], str):
+                    raise
+                cfg[key] = check(defaults, key, text, arg)  # a string key keeps its text: --start=1984
         else:
             if not os.path.isfile(arg):
                 hint = f"; did you mean --{arg}?" if '=' in arg else " (run from the repository root)"

@@ -36,7 +36,9 @@ def test_last_token_mode_has_no_ttft(capsys):
     bench.main(TINY + ['--mode=last_token', '--batch_size=2'])
     record = last_json(capsys)
     assert record['config']['mode'] == 'last_token'
-    assert all(r['ttft_ms'] is None for r in record['results'])
+    for r in record['results']:
+        assert r['ttft_ms'] is None
+        assert r['tokens_per_s'] == pytest.approx(2 * 1000 / r['ms_per_token'])  # B tokens per step
 
 
 def test_the_gate_trips_on_corrupted_folded_weights(monkeypatch, capsys):
@@ -52,6 +54,21 @@ def test_the_gate_trips_on_corrupted_folded_weights(monkeypatch, capsys):
     with pytest.raises(SystemExit, match='correctness gate failed.*internal_unfused vs internal_folded'):
         bench.main(TINY)
     assert 'tokens/s' not in capsys.readouterr().out  # no speed reported
+
+
+def test_the_gate_compares_greedy_tokens_too(monkeypatch):
+    fold_properly = bench.folded_model
+
+    def corrupted(model):
+        folded = fold_properly(model)
+        with torch.no_grad():
+            folded.lm_head.weight.mul_(-1)  # the argmax moves; the logits check is switched off below
+        return folded
+
+    monkeypatch.setattr(bench, 'folded_model', corrupted)
+    monkeypatch.setattr(bench, 'GATE_RTOL', float('inf'))
+    with pytest.raises(SystemExit, match='internal_folded .eager.: greedy tokens differ from token'):
+        bench.main(TINY)
 
 
 def test_step_bytes_count_the_head_once_and_embedding_rows(capsys):
@@ -76,9 +93,12 @@ def test_a_checkpoint_is_timed_next_to_a_baseline_of_its_shape(tmp_path, capsys)
     bench.main(TINY + [f'--ckpt={path}'])
     results = {r['variant']: r for r in last_json(capsys)['results']}
     assert results['ckpt_baseline']['speedup_vs_baseline'] == 1.0
-    mine = results['ckpt:folded.pt']
-    assert mine['speedup_vs_baseline'] == pytest.approx(
-        mine['tokens_per_s'] / results['ckpt_baseline']['tokens_per_s'])
+    mine, base = results['ckpt:folded.pt'], results['ckpt_baseline']
+    assert mine['speedup_vs_baseline'] == pytest.approx(mine['tokens_per_s'] / base['tokens_per_s'])
+    assert mine['kv_mb'] == base['kv_mb']
+    # the checkpoint's shape (vocabulary 100, context 32), not the --size one; the fold drops 2·2·32 gains
+    assert base['weight_mb'] * 1e6 - mine['weight_mb'] * 1e6 == 4 * (2 * 2 * 32)
+    assert base['weight_mb'] < results['baseline']['weight_mb']
 
 
 @pytest.mark.parametrize('args, message', [

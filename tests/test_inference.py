@@ -38,11 +38,7 @@ def linear_phase(kind='rmsnorm', taper='internal', bias=True, seed=0, block_size
 
 
 def folded_copy(model):
-    sd, args = fold.fold_state_dict(model.state_dict(), vars(model.config))
-    folded = GPT(GPTConfig(**args))
-    folded.load_state_dict(sd)
-    folded.set_phase(folded.implied_phase())
-    return folded.eval()
+    return GPT.from_state_dict(*fold.fold_state_dict(model.state_dict(), vars(model.config)))
 
 
 # ---- KV cache -------------------------------------------------------------------------
@@ -276,6 +272,14 @@ def test_fold_writes_nothing_when_its_check_fails(trained, tmp_path, monkeypatch
     assert not out.exists()
     with pytest.raises(SystemExit, match='folder does not exist'):
         fold.main([f'--ckpt={trained}', f'--out={tmp_path / "no" / "such.pt"}'])
+
+
+def test_unfused_needs_the_linear_phase():
+    model = linear_phase()
+    model.set_phase('taper')
+    model.set_gate(0.5)
+    with pytest.raises(RuntimeError, match=r"phase 'taper' with g = 0.5"):
+        model.unfused()
 
 
 def test_generate_argument_checks():

@@ -98,6 +98,14 @@ def test_config_errors_name_the_key(args, message):
         load_config(args)
 
 
+def test_string_keys_keep_their_text():
+    defaults = {'start': 'x', 'n': 1}
+    assert train.parse_args(['--start=1984', '--n=3'], defaults) == {'start': '1984', 'n': 3}
+    assert train.parse_args(['--start=a b'], defaults)['start'] == 'a b'
+    with pytest.raises(ConfigError, match="compile='1'"):
+        load_config(['--compile=1'])  # 'auto' | True | False: no fallback to the text
+
+
 def test_unknown_key_in_a_config_file(tmp_path):
     path = tmp_path / 'bad.py'
     path.write_text('import math\nlearning_rate = math.sqrt(1e-6)\nlearnig_rate = 3e-4\n')
