@@ -410,7 +410,7 @@ def main(argv):
                     assert_same_tokens(f'{n} compiled', tokens, f'{n} eager', eager_tokens[n][:, :tokens.size(1)], 'fp32')
             except GateError as e:
                 raise SystemExit(f"correctness gate failed, no speed reported: {e}")
-            print(f"  gate (fp32, compiled): every variant's greedy tokens equal its eager ones")
+            print("  gate (fp32, compiled): every variant's greedy tokens equal its eager ones")
         elif compiled:  # rounding in 16 bits may flip a near-tie of random logits: no reliable check
             print(f"  gate (compiled): not run in {dtype}; --dtype=float32 runs it")
         times = {n: [] for n in names}

@@ -552,11 +552,13 @@ class GPT(nn.Module):
             self.setup_caches(B, total)
             logits, _ = self(idx, input_pos=torch.arange(T0, device=idx.device))  # prefill
         out, all_logits = idx, [torch.empty(B, 0, self.config.vocab_size, device=idx.device)]
+        pos = torch.tensor([T0 - 1], device=idx.device)  # one position tensor, advanced in place
         for t in range(T0, total):
             if not use_cache:
                 logits, _ = self(out)
-            elif t > T0:  # decode: one token at position t − 1
-                logits, _ = self(out[:, -1:], input_pos=torch.tensor([t - 1], device=idx.device))
+            elif t > T0:  # decode: the last token, at position t − 1
+                pos += 1
+                logits, _ = self(out[:, -1:], input_pos=pos)
             logits = logits[:, -1, :].float()  # (B, V)
             all_logits.append(logits[:, None])
             out = torch.cat([out, sample_next(logits, temperature, top_k, generator)], dim=1)

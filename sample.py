@@ -10,6 +10,7 @@ token. max_new_tokens=0 fills the checkpoint's context (block_size) after the pr
 """
 
 import sys
+
 import torch
 
 from data.common import decode, encode
