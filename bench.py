@@ -87,11 +87,11 @@ def linear_phase_model(arch, taper, seed):
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**arch, taper=taper))
     gen = torch.Generator().manual_seed(seed + 1)
-    model.train()
     x = torch.randint(0, arch['vocab_size'], (4, min(64, arch['block_size'])), generator=gen)
-    model(x, x)  # a training forward: the calibration statistics of one step
-    model.calibration_step()
-    model.calibrate()
+    model.set_collect('calibration')
+    model(x, x)  # the calibration statistics of one batch
+    model.set_collect(None)
+    model.calibrate('end')
     for _, m in model.tapernorms():
         m.weight_tilde.mul_(torch.exp(0.3 * torch.randn(m.weight_tilde.shape, generator=gen)))
     model.set_phase('linear')

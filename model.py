@@ -160,13 +160,16 @@ class TaperNorm(Norm):
     N(h) = (h / r(h)) ⊙ γ                   (RMS kind; LN kind: LayerNorm with γ, β)
     L(h) = c · h ⊙ γ̃                         (RMS kind; LN kind: c · (P h) ⊙ γ̃ + β̃)
 
-    `phase` is a plain Python attribute that selects the code path: 'warmup' runs N only
-    (and, in train mode, accumulates the calibration statistics), 'taper' mixes both with the
-    gate tensor, 'linear' runs L only and never computes r(h). The gate is a tensor so that
-    changing it every step does not recompile a compiled model; the phase changes twice a run.
+    `phase` is a plain Python attribute that selects the code path: 'warmup' runs N only,
+    'taper' mixes both with the gate tensor, 'linear' runs L only and never computes r(h).
+    The gate is a tensor so that changing it every step does not recompile a compiled model;
+    the phase changes twice a run.
 
-    Buffers: c (scalar, set by calibration, never trained), calib_num / calib_den (EMAs of
-    N_i = E[x_i²/r] and D_i = E[x_i²], fp32, (d,)), and this step's sums of micro-batch means.
+    `collect` (set by `GPT.set_collect`) makes a warmup forward also record statistics of its
+    input: 'calibration' adds the token means of x_i²/r(h) and x_i² (x = h or P h) for c
+    (SPEC §3); 'mismatch' adds ‖L(h) − N(h)‖² and ‖N(h)‖² over tokens.
+    Buffers: c (scalar, set by calibration, never trained), calib_num / calib_den (the 'ema'
+    mode's EMAs of N_i = E[x_i²/r] and D_i = E[x_i²], fp32, (d,)), and non-persistent sums.
     h: (..., d) -> (..., d); gate: 0-dim tensor.
     """
 
@@ -179,7 +182,9 @@ class TaperNorm(Norm):
         self.register_buffer('calib_den', torch.zeros(d))
         self.register_buffer('step_num', torch.zeros(d), persistent=False)
         self.register_buffer('step_den', torch.zeros(d), persistent=False)
+        self.register_buffer('mismatch_sums', torch.zeros(2), persistent=False)  # ‖L − N‖², ‖N‖²
         self.phase = 'warmup'
+        self.collect = None
 
     def linear(self, h):
         # c·γ̃ is a d-vector: one multiply on the (B, T, d) tensor, the op folding removes
@@ -187,8 +192,12 @@ class TaperNorm(Norm):
         return y if self.bias_tilde is None else y + self.bias_tilde
 
     @torch.no_grad()
-    def accumulate(self, h):
-        """Add this micro-batch's token means of x_i²/r(h) and x_i² (x = h or P h), in fp32."""
+    def observe(self, h, y):
+        """Record this forward's statistics of h (and of y = N(h)) for `collect`, in fp32."""
+        if self.collect == 'mismatch':
+            y = y.float()
+            self.mismatch_sums += torch.stack([(self.linear(h.float()) - y).pow(2).sum(), y.pow(2).sum()])
+            return
         x = norm_input(h.float(), self.kind).flatten(0, -2)  # (tokens, d)
         x2 = x.pow(2)
         self.step_num += (x2 / norm_scale(x, 'rmsnorm', self.eps)).mean(0)  # x is centred already
@@ -196,9 +205,10 @@ class TaperNorm(Norm):
 
     def forward(self, h, gate):
         if self.phase == 'warmup':
-            if self.training:
-                self.accumulate(h)
-            return self.normalize(h)
+            y = self.normalize(h)
+            if self.collect is not None:
+                self.observe(h, y)
+            return y
         if self.phase == 'linear':
             return self.linear(h)
         return gate * self.normalize(h) + (1 - gate) * self.linear(h)
@@ -223,6 +233,26 @@ class TaperScale(nn.Module):
     def forward(self, h, gate=None):
         y = norm_input(h, self.kind) * self.scale
         return y if self.bias is None else y + self.bias
+
+
+class RadialCos(torch.autograd.Function):
+    """Identity on h (B, T, d) whose backward also returns, as the gradient of `sink` (a 0-dim
+    leaf), the mean over tokens of cos(∂ℓ/∂h, h): the radial share of the gradient reaching h.
+
+    The diagnostic of logit chasing (SPEC §4): a final norm makes ∂CE/∂h orthogonal to h, so
+    it is ≈ 0 with one and not without. Part of the graph, so no second backward and no
+    recompile; gradients accumulate in sink.grad like any other (sum over micro-batches).
+    """
+
+    @staticmethod
+    def forward(ctx, h, sink):
+        ctx.save_for_backward(h)
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, = ctx.saved_tensors
+        return grad, F.cosine_similarity(grad.float(), h.float(), dim=-1).mean()
 
 
 def apply_norm(norm, x, gate):
@@ -344,6 +374,8 @@ class GPT(nn.Module):
             self.register_buffer('step_hidden_rms', torch.zeros(()), persistent=False)
             self.register_buffer('step_micro', torch.zeros(()), persistent=False)
         self.last_metrics = None
+        self.collect = None  # see set_collect
+        self.register_buffer('radial_sink', torch.zeros((), requires_grad=True), persistent=False)
         self.register_buffer('causal_mask', None, persistent=False)  # (T_max, T_max) bool, by setup_caches
         self.set_phase('baseline' if config.taper == 'none' else 'warmup')
 
@@ -351,6 +383,12 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith('c_proj.weight'):  # GPT-2: scale residual projections by 1/sqrt(2L)
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _apply(self, fn, *args, **kwargs):
+        super()._apply(fn, *args, **kwargs)
+        # .to(device) returns a non-leaf copy of a requires_grad buffer: make the sink a leaf again
+        self.radial_sink = self.radial_sink.detach().requires_grad_()
+        return self
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
@@ -403,57 +441,102 @@ class GPT(nn.Module):
 
     # ---- calibration (SPEC §3, §4) ------------------------------------------------------
 
-    @torch.no_grad()
-    def calibration_step(self):
-        """Fold this optimizer step's statistics into the EMAs (ρ = CALIB_DECAY).
+    def set_collect(self, mode):
+        """Make warmup forwards record statistics (see TaperNorm): None (off), 'calibration'
+        (N, D per channel and mean s(h): what c and s_tgt need) or 'mismatch' (‖L − N‖, ‖N‖).
+        Raises ValueError for another mode."""
+        if mode not in (None, 'calibration', 'mismatch'):
+            raise ValueError(f"collect={mode!r}: choose None, 'calibration' or 'mismatch'")
+        self.collect = mode
+        for _, m in self.tapernorms():
+            m.collect = mode
 
-        Call once after every optimizer step of the gate warmup. The step's statistics are the
-        mean over its micro-batches and, under torch.distributed, all-reduced over ranks, so
-        every rank holds the same EMAs and will compute the same c.
-        Raises RuntimeError if no training forward ran since the last call.
-        """
-        norms = [m for _, m in self.tapernorms()]
-        sums = [t for m in norms for t in (m.step_num, m.step_den)] + [self.step_hidden_rms, self.step_micro]
-        emas = [t for m in norms for t in (m.calib_num, m.calib_den)] + [self.hidden_rms_ema]
-        stats = torch.cat([t.view(-1) for t in sums])  # one all-reduce for everything
+    @torch.no_grad()
+    def _take_sums(self, sums):
+        """The collected sums, all-reduced over ranks under torch.distributed (one call, so every
+        rank gets the same values from every rank's data), as a list shaped like `sums`; the
+        sums are zeroed."""
+        flat = torch.cat([t.view(-1) for t in sums])
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(stats)
-        n_micro = stats[-1].item()
-        if n_micro == 0:
-            raise RuntimeError("calibration_step() without a training forward in the warmup phase")
-        for ema, total in zip(emas, stats[:-1].split([e.numel() for e in emas])):
-            ema.mul_(CALIB_DECAY).add_(total.view_as(ema) / n_micro, alpha=1 - CALIB_DECAY)
-        self.calib_steps += 1
+            torch.distributed.all_reduce(flat)
         for t in sums:
             t.zero_()
+        return [t.view_as(s) for t, s in zip(flat.split([s.numel() for s in sums]), sums)]
+
+    def _calibration_sums(self):
+        norms = [m for _, m in self.tapernorms()]
+        return [t for m in norms for t in (m.step_num, m.step_den)] + [self.step_hidden_rms, self.step_micro]
 
     @torch.no_grad()
-    def calibrate(self):
-        """The calibrate event (SPEC §2): freeze c per layer and s_tgt, set γ̃ ← γ, β̃ ← β.
+    def calibration_step(self):
+        """calibration='ema' only: fold this optimizer step's statistics into the EMAs (ρ = CALIB_DECAY).
 
-        c = Σ_i γ_i² N_i / Σ_i γ_i² D_i with the γ being copied (SPEC §3); the EMAs' bias
-        correction cancels in that ratio. s_tgt is the bias-corrected EMA of mean s(h).
-        Returns {'c': {layer name: float}, 's_tgt': float}.
-        Raises RuntimeError if already calibrated or no calibration step has run.
+        Call once after every optimizer step of the gate warmup, whose forwards ran under
+        set_collect('calibration'). The step's statistics are the mean over its micro-batches
+        and ranks. Raises RuntimeError if no collecting forward ran since the last call.
+        """
+        *totals, n_micro = self._take_sums(self._calibration_sums())
+        if n_micro.item() == 0:
+            raise RuntimeError("calibration_step() without a forward under set_collect('calibration')")
+        emas = [t for _, m in self.tapernorms() for t in (m.calib_num, m.calib_den)] + [self.hidden_rms_ema]
+        for ema, total in zip(emas, totals):
+            ema.mul_(CALIB_DECAY).add_(total / n_micro, alpha=1 - CALIB_DECAY)
+        self.calib_steps += 1
+
+    @torch.no_grad()
+    def calibrate(self, mode='end'):
+        """The calibrate event (SPEC §2–§4): freeze c per layer and s_tgt, set γ̃ ← γ, β̃ ← β.
+
+        c = Σ_i γ_i² N_i / Σ_i γ_i² D_i with the γ being copied (SPEC §3), from
+        mode='end': the statistics collected since the last reset (the forwards run under
+          set_collect('calibration') on the model as it is now; s_tgt = their mean s(h));
+        mode='ema': the EMAs of calibration_step (their bias correction cancels in c; s_tgt is
+          the bias-corrected EMA of mean s(h)).
+        Returns {'c': {layer name: float}, 's_tgt': float}. Raises RuntimeError if already
+        calibrated or nothing was collected, ValueError for another mode.
         """
         if self.config.taper == 'none':
             raise RuntimeError("calibrate() on a baseline model (taper='none')")
         if self.calibrated:
             raise RuntimeError("the model is already calibrated; the calibrate event runs once")
-        steps = int(self.calib_steps)
-        if steps == 0:
-            raise RuntimeError("calibrate() before any calibration_step(): run the gate warmup first")
+        norms = self.tapernorms()
+        if mode == 'end':
+            *totals, n_micro = self._take_sums(self._calibration_sums())
+            if n_micro.item() == 0:
+                raise RuntimeError("calibrate('end') before any forward under set_collect('calibration')")
+            stats = [t / n_micro for t in totals]  # N, D per layer, then mean s(h)
+            s_tgt = stats[-1]
+        elif mode == 'ema':
+            steps = int(self.calib_steps)
+            if steps == 0:
+                raise RuntimeError("calibrate('ema') before any calibration_step(): run the gate warmup first")
+            stats = [t for _, m in norms for t in (m.calib_num, m.calib_den)]
+            s_tgt = self.hidden_rms_ema / (1 - CALIB_DECAY ** steps)
+        else:
+            raise ValueError(f"calibrate(mode={mode!r}): choose 'end' or 'ema'")
         cs = {}
-        for name, m in self.tapernorms():
+        for (name, m), num, den in zip(norms, stats[0::2], stats[1::2]):
             g2 = m.weight.float().pow(2)
-            m.c.fill_((g2 * m.calib_num).sum() / (g2 * m.calib_den).sum())
+            m.c.fill_((g2 * num).sum() / (g2 * den).sum())
             m.weight_tilde.copy_(m.weight)
             if m.bias is not None:
                 m.bias_tilde.copy_(m.bias)
             cs[name] = m.c.item()
-        self.s_tgt.copy_(self.hidden_rms_ema / (1 - CALIB_DECAY ** steps))
+        self.s_tgt.copy_(s_tgt)
         self.calibrated.fill_(True)
         return {'c': cs, 's_tgt': self.s_tgt.item()}
+
+    @torch.no_grad()
+    def branch_mismatch(self):
+        """{layer name: ‖L(h) − N(h)‖ / ‖N(h)‖} over every token of the forwards run under
+        set_collect('mismatch') (all-reduced over ranks): how far the linear branch the taper
+        starts from is from the normalizing branch it replaces (SPEC §3). The sums are reset.
+        Raises RuntimeError if nothing was collected."""
+        norms = self.tapernorms()
+        sums = self._take_sums([m.mismatch_sums for _, m in norms])
+        if any(ref.item() == 0 for _, ref in sums):
+            raise RuntimeError("branch_mismatch() before any forward under set_collect('mismatch')")
+        return {name: (err / ref).sqrt().item() for (name, _), (err, ref) in zip(norms, sums)}
 
     # ---- forward ------------------------------------------------------------------------
 
@@ -492,12 +575,14 @@ class GPT(nn.Module):
         aux_on = tapering and self.config.aux_weight > 0 and self.phase in ('taper', 'linear')
         s = norm_scale((x if aux_on else x.detach()).float(), self.config.norm, self.config.norm_eps)  # (B, T, 1)
         hidden_rms = s.detach().mean()
-        if tapering and self.phase == 'warmup' and self.training:
+        if tapering and self.phase == 'warmup' and self.collect == 'calibration':
             with torch.no_grad():  # s_tgt's statistic, once per micro-batch
                 self.step_hidden_rms += hidden_rms
                 self.step_micro += 1
         aux = aux_loss(s, self.s_tgt, self.config.aux_weight) if aux_on else None
 
+        if torch.is_grad_enabled():  # backward leaves mean cos(∂CE/∂h, h) in radial_sink.grad
+            x = RadialCos.apply(x, self.radial_sink)  # below this point only CE depends on x
         logits = self.lm_head(apply_norm(self.transformer.ln_f, x, self.gate))  # (B, T, V)
         ce = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         ln_f = self.transformer.ln_f

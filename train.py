@@ -12,8 +12,8 @@ executed in order), then --key=value overrides; an unknown key or a wrong type i
 
 The schedule, with 0-based iterations, W = gate_warmup_iters and T = taper_iters:
 
-    warmup      it < W          g = 1; calibration statistics accumulate (train mode)
-    calibrate   after the optimizer step of it = W − 1: c, s_tgt frozen, γ̃ ← γ
+    warmup      it < W          g = 1 (calibration='ema': the statistics' EMAs accumulate)
+    calibrate   after the optimizer step of it = W − 1: c, s_tgt measured and frozen, γ̃ ← γ
     taper       W ≤ it < W + T  g = ½ (1 + cos(π (it − W) / T))
     linear      it ≥ W + T      g = 0; the normalizing branch is skipped
 
@@ -75,6 +75,8 @@ grad_clip = 1.0             # 0 disables clipping (the norm is still logged)
 max_iters = 5000
 gate_warmup_iters = 500     # W
 taper_iters = 2500          # T
+calibration = 'end'         # how c and s_tgt are measured: 'end' (on the model at the calibrate event) | 'ema' (the paper's EMA over the warmup)
+calib_batches = 8           # 'end': forward passes (batch_size × block_size tokens each, per process) at the calibrate event
 # evaluation and logging
 eval_interval = 500
 eval_iters = 50
@@ -169,14 +171,14 @@ def load_config(args):
 
 def validate_config(cfg):
     """Raise ConfigError for combinations that cannot run (SPEC §2)."""
-    choices = dict(norm=('rmsnorm', 'layernorm'), taper=('none', 'internal', 'all'),
+    choices = dict(norm=('rmsnorm', 'layernorm'), taper=('none', 'internal', 'all'), calibration=('end', 'ema'),
                    init_from=('scratch', 'resume'), dtype=('auto', 'float32', 'bfloat16'),
                    backend=('auto', 'nccl', 'gloo'))
     for key, allowed in choices.items():
         if cfg[key] not in allowed:
             raise ConfigError(f"{key}={cfg[key]!r}: choose one of {allowed}")
     for key in ('batch_size', 'block_size', 'gradient_accumulation_steps', 'max_iters',
-                'eval_interval', 'eval_iters', 'log_interval', 'n_layer', 'n_head', 'n_embd'):
+                'eval_interval', 'eval_iters', 'log_interval', 'n_layer', 'n_head', 'n_embd', 'calib_batches'):
         if cfg[key] < 1:
             raise ConfigError(f"{key}={cfg[key]} must be >= 1")
     for key in ('learning_rate',):
@@ -422,6 +424,8 @@ def main(argv):
     @torch.no_grad()
     def estimate_val_loss():
         """Mean cross-entropy over eval_iters fixed random val batches (same batches every time)."""
+        collect = raw_model.collect
+        raw_model.set_collect(None)  # evaluation never touches the calibration statistics
         fwd_model.eval()
         losses = []
         for k in range(cfg.eval_iters):
@@ -430,7 +434,32 @@ def main(argv):
                 fwd_model(x, y)
             losses.append(raw_model.last_metrics.ce)
         fwd_model.train()
+        raw_model.set_collect(collect)
         return torch.stack(losses).mean().item()
+
+    def calibration_forwards():
+        """calib_batches forwards of training windows from their own seeded stream (the
+        training batches stay as they were), in eval mode, without gradients."""
+        for k in range(cfg.calib_batches):
+            x, y = get_batch(folder, 'train', batch_rng(cfg.seed, 2, rank, k), cfg.batch_size, cfg.block_size, dev)
+            with autocast:
+                fwd_model(x, y)
+
+    @torch.no_grad()
+    def calibrate_event():
+        """SPEC §2–§4: c and s_tgt from the model as it is ('end') or from the warmup's EMAs
+        ('ema'), then the branch mismatch ‖L − N‖/‖N‖ per layer on the calibration batches."""
+        fwd_model.eval()
+        if cfg.calibration == 'end':
+            raw_model.set_collect('calibration')
+            calibration_forwards()
+        event = raw_model.calibrate(cfg.calibration)
+        raw_model.set_collect('mismatch')
+        calibration_forwards()
+        event['mismatch'] = raw_model.branch_mismatch()
+        raw_model.set_collect(None)
+        fwd_model.train()
+        return event
 
     # ---- training loop ----
     schedule = (cfg.taper, cfg.gate_warmup_iters, cfg.taper_iters)
@@ -442,6 +471,7 @@ def main(argv):
         lr = get_lr(it, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters)
         if train_model is None or phase != raw_model.phase:
             raw_model.set_phase(phase)   # the compiled model recompiles once, here
+            raw_model.set_collect('calibration' if phase == 'warmup' and cfg.calibration == 'ema' else None)
             train_model = wrap(fwd_model)  # DDP must see the parameters this phase trains
         raw_model.set_gate(gate)  # in place: no recompile
         for group in optimizer.param_groups:
@@ -455,7 +485,7 @@ def main(argv):
         # ---- one optimizer step ----
         t0 = time.perf_counter()
         torch.manual_seed(int(np.random.SeedSequence([cfg.seed, it, rank]).generate_state(1)[0]))  # dropout
-        sums = torch.zeros(5, device=dev)  # loss, ce, aux, hidden_rms, logit_rms
+        sums = torch.zeros(6, device=dev)  # loss, ce, aux, hidden_rms, logit_rms, radial_cos
         for micro in range(cfg.gradient_accumulation_steps):
             if ddp:  # all-reduce gradients on the last micro-step only
                 train_model.require_backward_grad_sync = micro == cfg.gradient_accumulation_steps - 1
@@ -464,8 +494,10 @@ def main(argv):
             with autocast:
                 _, loss = train_model(x, y)
             m = raw_model.last_metrics
-            sums += torch.stack([loss.detach(), m.ce, m.aux, m.hidden_rms, m.logit_rms]).float()
             (loss / cfg.gradient_accumulation_steps).backward()
+            sink = raw_model.radial_sink
+            sums += torch.stack([loss.detach(), m.ce, m.aux, m.hidden_rms, m.logit_rms, sink.grad]).float()
+            sink.grad = None
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in raw_model.parameters() if p.grad is not None],
             cfg.grad_clip if cfg.grad_clip > 0 else float('inf'))
@@ -473,13 +505,13 @@ def main(argv):
         if ddp:
             torch.distributed.all_reduce(sums)  # SUM: gloo has no AVG
             sums /= world
-        loss_v, ce_v, aux_v, hidden_v, logit_v = sums.tolist()  # the step's one host sync
+        loss_v, ce_v, aux_v, hidden_v, logit_v, radial_v = sums.tolist()  # the step's one host sync
         if not (math.isfinite(loss_v) and math.isfinite(grad_norm.item())):
             raise SystemExit(f"non-finite loss {loss_v} (grad norm {grad_norm.item()}) at iteration {it}; "
                              f"stopping without saving: {ckpt_path} keeps the last good state")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if phase == 'warmup':
+        if phase == 'warmup' and cfg.calibration == 'ema':
             raw_model.calibration_step()
         if device_type == 'cuda':
             torch.cuda.synchronize()
@@ -487,7 +519,7 @@ def main(argv):
 
         if it % cfg.log_interval == 0 or record:
             record = dict(iter=it, phase=phase, gate=gate, lr=lr, loss=loss_v, ce=ce_v, aux=aux_v,
-                          hidden_rms=hidden_v, logit_rms=logit_v, **record)
+                          hidden_rms=hidden_v, logit_rms=logit_v, radial_cos=radial_v, **record)
             if m.final_scale_rms is not None:
                 record['final_scale_rms'] = m.final_scale_rms.item()
             record.update(grad_norm=grad_norm.item(), step_ms=1000 * dt_s, tokens_per_s=tokens_per_iter / dt_s)
@@ -499,22 +531,24 @@ def main(argv):
                       f"lr {lr:.2e} | {1000 * dt_s:.0f} ms {tokens_per_iter / dt_s:,.0f} tok/s{val}")
 
         if phase == 'warmup' and it == cfg.gate_warmup_iters - 1:
-            event = raw_model.calibrate()
+            event = calibrate_event()
             log({'event': 'calibrate', 'iter': it, **event})
             if master:
-                cs = list(event['c'].values())
-                print(f"calibrate after iter {it}: c in [{min(cs):.4f}, {max(cs):.4f}], "
-                      f"s_tgt {event['s_tgt']:.4f}")
+                cs, mm = list(event['c'].values()), list(event['mismatch'].values())
+                print(f"calibrate ({cfg.calibration}) after iter {it}: c in [{min(cs):.4f}, {max(cs):.4f}], "
+                      f"s_tgt {event['s_tgt']:.4f}, branch mismatch ‖L−N‖/‖N‖ in [{min(mm):.3f}, {max(mm):.3f}]")
         iter_num += 1
 
     # the state after the last step belongs to iteration max_iters: linear, g = 0 when tapering
     raw_model.set_phase(get_phase(iter_num, *schedule))
     raw_model.set_gate(get_gate(iter_num, *schedule))
     checkpoint(iter_num)
-    final = final_val_loss(raw_model, folder, cfg.batch_size, cfg.block_size, dev, autocast, rank, world)
-    log({'iter': iter_num, 'phase': raw_model.phase, 'final_val_loss': final})
+    final, final_train = final_losses(raw_model, folder, cfg.seed, cfg.batch_size, cfg.block_size, dev,
+                                      autocast, rank, world)
+    log({'iter': iter_num, 'phase': raw_model.phase, 'final_val_loss': final, 'final_train_loss': final_train})
     if master:
-        print(f"final_val_loss {final:.4f} (whole val split, non-overlapping windows of {cfg.block_size})")
+        print(f"final_val_loss {final:.4f} (whole val split, non-overlapping windows of {cfg.block_size}), "
+              f"final_train_loss {final_train:.4f} (as many train windows)")
     if ddp:
         # free the DDP wrapper (its reducer holds the process group) before the group goes, with
         # every rank done: gloo aborted at exit now and then when one rank tore down first
@@ -525,25 +559,38 @@ def main(argv):
 
 
 @torch.no_grad()
-def final_val_loss(model, folder, batch_size, block_size, device, autocast, rank=0, world=1):
-    """Cross-entropy over the whole val split in non-overlapping windows, nats/token.
+def final_losses(model, folder, seed, batch_size, block_size, device, autocast, rank=0, world=1):
+    """(final_val_loss, final_train_loss): cross-entropy in nats/token over windows of block_size.
 
-    Window i covers tokens [i·T, (i+1)·T) with targets shifted by one; a tail shorter than a
-    window is dropped. Under DDP the windows are split over ranks and the sums all-reduced.
+    val: the whole val split in non-overlapping windows, window i covering tokens [i·T, (i+1)·T)
+    with targets shifted by one (a tail shorter than a window is dropped). train: as many
+    windows as val has, at fixed random starts in the train split (seeded), so the two are
+    comparable: train below val is fitting the training text more than the language.
+    Under DDP the windows are split over ranks and the sums all-reduced.
     """
-    data = np.memmap(os.path.join(folder, 'val.bin'), dtype=np.uint16, mode='r')
-    n_windows = (len(data) - 1) // block_size
+    val = np.memmap(os.path.join(folder, 'val.bin'), dtype=np.uint16, mode='r')
+    train = np.memmap(os.path.join(folder, 'train.bin'), dtype=np.uint16, mode='r')
+    n_windows = (len(val) - 1) // block_size
+    train_starts = batch_rng(seed, 3).integers(len(train) - block_size, size=n_windows)
+    return (split_loss(model, val, [i * block_size for i in range(n_windows)], batch_size, block_size,
+                       device, autocast, rank, world),
+            split_loss(model, train, train_starts, batch_size, block_size, device, autocast, rank, world))
+
+
+def split_loss(model, data, starts, batch_size, block_size, device, autocast, rank, world):
+    """Mean cross-entropy of the windows data[s : s + T] → data[s + 1 : s + T + 1], s in starts."""
     was_training = model.training
     model.eval()
     total = torch.zeros(2, device=device, dtype=torch.float64)  # sum of CE over tokens, tokens
-    mine = list(range(rank, n_windows, world))
-    for start in range(0, len(mine), batch_size):
-        ix = mine[start:start + batch_size]
-        x = torch.from_numpy(np.stack([data[i * block_size:(i + 1) * block_size] for i in ix]).astype(np.int64))
-        y = torch.from_numpy(np.stack([data[i * block_size + 1:(i + 1) * block_size + 1] for i in ix]).astype(np.int64))
+    mine = list(starts[rank::world])
+    for k in range(0, len(mine), batch_size):
+        ix = mine[k:k + batch_size]
+        x = torch.from_numpy(np.stack([data[i:i + block_size] for i in ix]).astype(np.int64))
+        y = torch.from_numpy(np.stack([data[i + 1:i + 1 + block_size] for i in ix]).astype(np.int64))
         with autocast:
             model(x.to(device), y.to(device))
-        total += torch.stack([model.last_metrics.ce.double() * y.numel(), torch.tensor(y.numel(), device=device, dtype=torch.float64)])
+        total += torch.stack([model.last_metrics.ce.double() * y.numel(),
+                              torch.tensor(y.numel(), device=device, dtype=torch.float64)])
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(total)
     model.train(was_training)

@@ -95,9 +95,25 @@ def test_taper_is_the_convex_combination(kind, g):
     assert_close(m(h, torch.tensor(g)), expected)
 
 
+def calibrate_on(model, x):
+    """calibration='end' on one batch: collect, then calibrate."""
+    model.set_collect('calibration')
+    model(x, x)
+    model.set_collect(None)
+    return model.calibrate('end')
+
+
+def reference_r(h, kind, eps=1e-5):
+    """r(h) or σ(h) of SPEC §1 in plain torch, (..., d) -> (...)."""
+    x = h - h.mean(-1, keepdim=True) if kind == 'layernorm' else h
+    return (x.pow(2).sum(-1) / h.size(-1) + eps).sqrt()
+
+
 @pytest.mark.parametrize('kind', KINDS)
-def test_calibration_on_a_fixed_batch_is_the_closed_form(kind):
-    """Feeding one batch repeatedly: the EMAs' bias correction cancels, c and s_tgt are exact."""
+@pytest.mark.parametrize('mode', ['end', 'ema'])
+def test_calibration_on_a_fixed_batch_is_the_closed_form(kind, mode):
+    """'end' on one batch, or 'ema' fed one batch repeatedly (the bias correction cancels):
+    c and s_tgt are exactly the least-squares closed form of SPEC §3 on that batch."""
     model = tiny(kind, taper='all')
     randomize_gains(model)
     inputs = {}
@@ -105,50 +121,124 @@ def test_calibration_on_a_fixed_batch_is_the_closed_form(kind):
              for n, m in model.tapernorms()]
     x = torch.randint(0, 64, (4, 16))
     model.train()
-    for _ in range(5):
+    model.set_collect('calibration')
+    for _ in range(5 if mode == 'ema' else 1):
         model(x, x)
-        model.calibration_step()
+        if mode == 'ema':
+            model.calibration_step()
+    model.set_collect(None)
     for h in hooks:
         h.remove()
     randomize_gains(model)  # γ moves during warmup: c must use the γ being copied, not an old one
     gammas = {n: m.weight.detach().clone() for n, m in model.tapernorms()}
-    event = model.calibrate()
+    event = model.calibrate(mode)
     for name, m in model.tapernorms():
         h = inputs[name].reshape(-1, 32).double()
         hg = (h - h.mean(-1, keepdim=True) if kind == 'layernorm' else h) * gammas[name].double()
-        r = norm_scale(h, kind, 1e-5).squeeze(-1)
-        c_star = (hg.pow(2).sum(-1) / r).mean() / hg.pow(2).sum(-1).mean()  # SPEC §3
+        c_star = (hg.pow(2).sum(-1) / reference_r(h, kind)).mean() / hg.pow(2).sum(-1).mean()  # SPEC §3
         assert event['c'][name] == pytest.approx(c_star.item(), rel=1e-5)
         assert_close(m.weight_tilde, m.weight, rtol=0, atol=0)
         if m.bias is not None:
             assert_close(m.bias_tilde, m.bias, rtol=0, atol=0)
-    s = norm_scale(inputs['ln_f'].double(), kind, 1e-5).mean()
+    s = reference_r(inputs['ln_f'].double(), kind).mean()
     assert event['s_tgt'] == pytest.approx(s.item(), rel=1e-5)
-    assert int(model.calib_steps) == 5 and bool(model.calibrated)
+    assert int(model.calib_steps) == (5 if mode == 'ema' else 0) and bool(model.calibrated)
     with pytest.raises(RuntimeError, match='already calibrated'):
-        model.calibrate()
+        model.calibrate(mode)
+
+
+def test_end_calibration_weights_every_batch_equally_and_ignores_the_warmup():
+    """'end' over two batches = the closed form over their union; earlier statistics that were
+    taken (an EMA run) do not enter it."""
+    model = tiny(taper='internal')
+    x1, x2 = torch.randint(0, 64, (2, 4, 16))
+    ln = model.transformer.h[1].ln_2
+    seen = []
+    ln.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach()))
+    model.set_collect('calibration')
+    model(torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
+    model.calibration_step()  # an EMA step: not part of 'end'
+    model.eval()
+    model(x1, x1)
+    model(x2, x2)
+    event = model.calibrate('end')
+    h = torch.cat(seen[1:]).reshape(-1, 32).double()
+    g2 = ln.weight.detach().double().pow(2)
+    c = (g2 * (h.pow(2) / reference_r(h, 'rmsnorm')[:, None]).mean(0)).sum() / (g2 * h.pow(2).mean(0)).sum()
+    assert event['c']['h.1.ln_2'] == pytest.approx(c.item(), rel=1e-6)
 
 
 def test_calibration_statistics_average_micro_batches_and_decay_per_step():
     model = tiny(taper='internal')
     x1, x2 = torch.randint(0, 64, (2, 4, 16))
     ln = model.transformer.h[0].ln_1
-    den = []
-    for x in (x1, x2):  # each batch alone, one step from zero: D = (1 − ρ) · mean
-        m = tiny(taper='internal')
-        m.train()
-        m(x, x)
-        m.calibration_step()
-        den.append(m.transformer.h[0].ln_1.calib_den / (1 - CALIB_DECAY))
+    seen = []
+    ln.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach()))
     model.train()
+    model.set_collect('calibration')
     model(x1, x1)
     model(x2, x2)  # two micro-batches, one optimizer step
     model.calibration_step()
-    assert_close(ln.calib_den / (1 - CALIB_DECAY), (den[0] + den[1]) / 2)
-    model.eval()
-    model(x1, x1)  # evaluation never touches the statistics
-    with pytest.raises(RuntimeError, match='without a training forward'):
+    # D_i after one step from zero = (1 − ρ) · mean over micro-batches of the token mean of h_i²
+    expected = (1 - CALIB_DECAY) * (seen[0].reshape(-1, 32).pow(2).mean(0) + seen[1].reshape(-1, 32).pow(2).mean(0)) / 2
+    assert_close(ln.calib_den, expected)
+    model(x1, x1)
+    model.calibration_step()  # a second step decays the first by ρ
+    step2 = seen[2].reshape(-1, 32).pow(2).mean(0)
+    assert_close(ln.calib_den, CALIB_DECAY * expected + (1 - CALIB_DECAY) * step2)
+    model.set_collect(None)
+    model(x1, x1)  # a forward that does not collect never touches the statistics
+    with pytest.raises(RuntimeError, match='without a forward'):
         model.calibration_step()
+    with pytest.raises(ValueError, match='collect'):
+        model.set_collect('both')
+
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_branch_mismatch_is_the_relative_distance_of_the_two_branches(kind):
+    model = tiny(kind, taper='all')
+    randomize_gains(model)
+    x = torch.randint(0, 64, (4, 16))
+    calibrate_on(model, x)
+    inputs = {}
+    for n, m in model.tapernorms():
+        m.register_forward_pre_hook(lambda mod, args, n=n: inputs.__setitem__(n, args[0].detach()))
+    model.set_collect('mismatch')
+    model(x, x)
+    mismatch = model.branch_mismatch()
+    for name, m in model.tapernorms():
+        h = inputs[name].double()
+        N = reference_norm(m.double(), h)
+        L = linear_map(m, h)
+        m.float()
+        assert mismatch[name] == pytest.approx(((L - N).norm() / N.norm()).item(), rel=1e-4)
+    with pytest.raises(RuntimeError, match='before any forward'):
+        model.branch_mismatch()
+
+
+@pytest.mark.parametrize('taper', ['internal', 'all'])
+def test_radial_cos_is_the_cosine_of_the_cross_entropy_gradient_with_h(taper):
+    """Hand computation: ∂CE/∂h at the residual stream before ln_f by autograd on a copy of the
+    head, its cosine with h averaged over tokens; L_aux's (radial) gradient must not enter."""
+    model = tiny(taper=taper, aux_weight=10.0)
+    randomize_gains(model)
+    x = torch.randint(0, 64, (3, 16))
+    calibrate_on(model, x)
+    model.set_phase('linear')
+    model.set_gate(0.0)
+    h_in = {}
+    model.transformer.ln_f.register_forward_pre_hook(lambda mod, args: h_in.__setitem__('h', args[0]))
+    _, loss = model(x, x)
+    loss.backward()
+    h = h_in['h'].detach().requires_grad_()
+    ce = F.cross_entropy(model.lm_head(model.transformer.ln_f(h, model.gate)).view(-1, 64), x.view(-1))
+    g, = torch.autograd.grad(ce, h)
+    expected = (g * h).sum(-1) / (g.norm(dim=-1) * h.norm(dim=-1))
+    assert model.radial_sink.grad.item() == pytest.approx(expected.mean().item(), rel=1e-4, abs=1e-6)
+    if taper == 'internal':  # a final RMSNorm leaves (almost) no radial component
+        assert abs(model.radial_sink.grad.item()) < 1e-2  # ε keeps it from exactly 0
+    else:
+        assert abs(model.radial_sink.grad.item()) > 1e-2
 
 
 @pytest.mark.parametrize('kind', KINDS)
@@ -174,11 +264,7 @@ def test_calibrated_taper_start_moves_logits_at_most_proportionally(kind, taper)
     model = tiny(kind, taper=taper)
     randomize_gains(model, spread=1.0)
     x = torch.randint(0, 64, (8, 16))
-    model.train()
-    for _ in range(3):
-        model(x, x)
-        model.calibration_step()
-    model.calibrate()
+    calibrate_on(model, x)
     model.eval()
     model.set_phase('taper')
 
@@ -207,10 +293,7 @@ def test_phase_paths_and_trainable_gains():
     assert not ln.weight_tilde.requires_grad and ln.weight.requires_grad  # warmup
     with pytest.raises(RuntimeError, match='calibrated'):
         model.set_phase('taper')
-    model.train()
-    model(*(torch.randint(0, 64, (2, 2, 16))))
-    model.calibration_step()
-    model.calibrate()
+    calibrate_on(model, torch.randint(0, 64, (2, 16)))
     model.set_phase('linear')
     assert ln.weight_tilde.requires_grad and not ln.weight.requires_grad
     assert model.transformer.ln_f.weight.requires_grad  # Internal-Taper keeps a real final norm
@@ -259,10 +342,8 @@ def test_compiled_model_recompiles_only_at_phase_boundaries():
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if phase == 'warmup':
-            model.calibration_step()
         if it == 2:
-            model.calibrate()
+            calibrate_on(model, x)
         frames.append(counter.frame_count)
     # warmup 0-2, taper 3-8, linear 9-11: one compile at the start of each phase
     assert frames == [1] * 3 + [2] * 6 + [3] * 3

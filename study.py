@@ -1,0 +1,287 @@
+"""
+Run a declared matrix of train.py runs, resumably, two at a time, and build the results tables.
+
+    python study.py                          # run the 'main' matrix into study/, then print its tables
+    python study.py --matrix=ema_vs_end      # another declared matrix (see MATRICES)
+    python study.py --table=True --run=False # only the tables, from study/results.json
+
+Every cell gets its own out_dir (study_dir/NAME). A cell whose log.jsonl has final_val_loss is
+skipped; one with a ckpt.pt continues with --init_from=resume; one whose loss went non-finite
+is recorded as diverged (with its iteration) and never retried. After each cell, its summary
+goes into study_dir/results.json (with the git commit, torch version and thread count it ran
+with), written atomically: a stopped study loses nothing and the same command continues it.
+The README's tables are printed by --table from that file. Each cell runs with
+OMP_NUM_THREADS=threads; jobs cells run at once (2 on a 2-core machine).
+"""
+
+import itertools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# -----------------------------------------------------------------------------
+matrix = 'main'             # a key of MATRICES
+study_dir = 'study'         # one folder per cell below it, and results.json
+jobs = 2                    # cells trained at once
+threads = 1                 # OMP_NUM_THREADS of each cell
+run = True                  # train the cells that are not finished
+table = True                # print the tables of the matrix's finished cells
+# -----------------------------------------------------------------------------
+
+# the 1M model, config/cpu.py's schedule, on the single-epoch corpus (mix: austen + sotu + kjv,
+# 3.9M training tokens; 1500 steps × 2,048 tokens = 0.79 epochs)
+BASE = ['config/tinystories_baseline.py', 'config/cpu.py', '--dataset=mix']
+VARIANTS = {  # name: train.py overrides
+    'baseline': ['--taper=none', '--aux_weight=0.0'],
+    'internal': ['--taper=internal', '--aux_weight=0.1'],
+    'all': ['--taper=all', '--aux_weight=0.1'],
+    'all_noaux': ['--taper=all', '--aux_weight=0.0'],
+}
+
+
+def cells_of(variants, seeds, calibration='end', extra=()):
+    """{cell name: train.py arguments} for every variant × seed."""
+    return {f'{v}-{calibration}-s{s}': BASE + VARIANTS[v] + [f'--calibration={calibration}', f'--seed={s}',
+                                                             *extra]
+            for v, s in itertools.product(variants, seeds)}
+
+
+MATRICES = {
+    # the main comparison: four variants × three seeds with calibration='end', and the paper's
+    # EMA calibration beside it for the two anchored tapered variants, seed 1 (14 runs)
+    'main': {**cells_of(VARIANTS, (1, 2, 3)), **cells_of(('internal', 'all'), (1,), 'ema')},
+    # the README's quick start (All-Taper on austen, 3.3 epochs) with both calibration modes
+    'quickstart': {f'austen-all-{m}-s1': ['config/tinystories_all_taper.py', 'config/cpu.py', f'--calibration={m}']
+                   for m in ('end', 'ema')},
+    # a two-cell matrix of a few seconds on the toy data of the tests
+    'tiny': {f'{v}-end-s1': ['--dataset=toy', '--device=cpu', '--n_layer=1', '--n_head=1', '--n_embd=16',
+                             '--block_size=16', '--batch_size=2', '--gradient_accumulation_steps=1',
+                             '--max_iters=12', '--gate_warmup_iters=3', '--taper_iters=4', '--warmup_iters=2',
+                             '--lr_decay_iters=12', '--eval_interval=6', '--eval_iters=1', '--log_interval=1',
+                             '--calib_batches=2'] + VARIANTS[v]
+             for v in ('baseline', 'all')},
+}
+
+
+def git_commit():
+    try:
+        return subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def read_log(out_dir):
+    """The records of out_dir/log.jsonl ([] if none); for an iteration logged twice (a resumed
+    run), the later record."""
+    path = os.path.join(out_dir, 'log.jsonl')
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    last = {}
+    for r in records:
+        last[(r.get('event'), r['iter'], 'final_val_loss' in r)] = r
+    return sorted(last.values(), key=lambda r: (r['iter'], 'final_val_loss' in r))
+
+
+def summarize(records):
+    """A finished run's numbers: final losses, the calibrate event, the largest and last values
+    of the scale diagnostics, and the median step time of each phase (evaluation steps excluded)."""
+    final = next(r for r in records if 'final_val_loss' in r)
+    steps = [r for r in records if 'loss' in r]
+    calib = next((r for r in records if r.get('event') == 'calibrate'), None)
+    out = dict(final_val_loss=final['final_val_loss'], final_train_loss=final.get('final_train_loss'),
+               max_loss=max(r['loss'] for r in steps),
+               **{f'{k}_last': steps[-1].get(k) for k in ('hidden_rms', 'logit_rms', 'radial_cos')},
+               **{f'{k}_max': max(abs(r.get(k, 0.0)) for r in steps) for k in ('hidden_rms', 'logit_rms', 'radial_cos')},
+               step_ms={str(r['iter']): r['step_ms'] for r in steps if 'val_loss' not in r})
+    if calib is not None:
+        out['calibrate'] = dict(iter=calib['iter'], s_tgt=calib['s_tgt'], c=calib['c'],
+                                mismatch=calib.get('mismatch'))
+    return out
+
+
+def atomic_write_json(obj, path):
+    tmp = path + '.tmp'
+    with open(tmp, 'w') as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+class Results:
+    """study_dir/results.json: {'cells': {name: record}}, rewritten after every cell."""
+
+    def __init__(self, path):
+        self.path, self.lock = path, threading.Lock()
+        self.data = {'cells': {}}
+        if os.path.exists(path):
+            with open(path) as f:
+                self.data = json.load(f)
+
+    def put(self, name, record):
+        with self.lock:
+            self.data['cells'][name] = record
+            atomic_write_json(self.data, self.path)
+
+
+def run_cell(name, args, out_dir, results):
+    """Train one cell to its end (or its divergence) and record it. Returns its status."""
+    records = read_log(out_dir)
+    if any('final_val_loss' in r for r in records):
+        status = 'finished'
+    elif name in results.data['cells'] and results.data['cells'][name]['status'] == 'diverged':
+        return 'diverged'
+    else:
+        resume = os.path.exists(os.path.join(out_dir, 'ckpt.pt'))
+        cmd = [sys.executable, os.path.join(ROOT, 'train.py'), *args, f'--out_dir={out_dir}']
+        if resume:
+            cmd.append('--init_from=resume')
+        os.makedirs(out_dir, exist_ok=True)
+        print(f"{name}: {'resuming' if resume else 'starting'}", flush=True)
+        t0 = time.time()
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        with open(os.path.join(out_dir, 'train.out'), 'a') as out:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        wall = time.time() - t0
+        with open(os.path.join(out_dir, 'train.out')) as f:
+            tail = f.read()[-2000:]
+        if proc.returncode != 0:
+            if 'non-finite loss' not in tail:
+                print(f"{name}: train.py failed (exit {proc.returncode}); see {out_dir}/train.out:\n{tail}",
+                      flush=True)
+                return 'failed'
+            it = int(tail.rsplit('at iteration ', 1)[1].split(';')[0])
+            results.put(name, dict(status='diverged', diverged_at=it, args=args, **provenance(wall)))
+            print(f"{name}: diverged at iteration {it}", flush=True)
+            return 'diverged'
+        records, status = read_log(out_dir), 'finished'
+        results.put(name, dict(status=status, args=args, **provenance(wall), **summarize(records)))
+        print(f"{name}: final_val_loss {results.data['cells'][name]['final_val_loss']:.4f} "
+              f"({wall / 60:.1f} min)", flush=True)
+        return status
+    if results.data['cells'].get(name, {}).get('status') != 'finished':  # finished before results.json knew
+        results.put(name, dict(status=status, args=args, **provenance(None), **summarize(records)))
+    return status
+
+
+def provenance(wall_s):
+    return dict(git_commit=git_commit(), torch=torch.__version__, threads=threads, wall_s=wall_s)
+
+
+# ---- tables -----------------------------------------------------------------------------
+
+def mean_sd(xs):
+    return (statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else float('nan'))
+
+
+def fmt(m_sd, digits=4, pct=False):
+    m, sd = m_sd
+    if pct:
+        return f"{m:+.2f} %" if math.isnan(sd) else f"{m:+.2f} ± {sd:.2f} %"
+    return f"{m:.{digits}f}" if math.isnan(sd) else f"{m:.{digits}f} ± {sd:.{digits}f}"
+
+
+def tables(cells, name_of_baseline='baseline-end'):
+    """Markdown tables of the finished cells (grouped by the name without its seed): losses over
+    seeds with the per-seed paired difference to the baseline, the calibrate event, the scale
+    diagnostics, and the median step time per phase relative to the baseline's."""
+    groups = {}
+    for name, c in cells.items():
+        groups.setdefault(name.rsplit('-s', 1)[0], {})[int(name.rsplit('-s', 1)[1])] = c
+    base = groups.get(name_of_baseline, {})
+    lines = ["| variant | seeds | final val loss | vs baseline (paired) | final train loss | val − train |",
+             "|---|---|---|---|---|---|"]
+    for g, by_seed in groups.items():
+        done = {s: c for s, c in by_seed.items() if c['status'] == 'finished'}
+        diverged = [f"s{s} diverged at {c['diverged_at']}" for s, c in by_seed.items() if c['status'] == 'diverged']
+        if not done:
+            lines.append(f"| {g} | {', '.join(diverged) or '-'} | | | | |")
+            continue
+        val = [c['final_val_loss'] for c in done.values()]
+        train = [c['final_train_loss'] for c in done.values()]
+        paired = [100 * (c['final_val_loss'] / base[s]['final_val_loss'] - 1) for s, c in done.items()
+                  if s in base and base[s]['status'] == 'finished']
+        seeds = ','.join(str(s) for s in sorted(done)) + (f" ({'; '.join(diverged)})" if diverged else '')
+        lines.append(f"| {g} | {seeds} | {fmt(mean_sd(val))} | "
+                     f"{fmt(mean_sd(paired), pct=True) if paired and g != name_of_baseline else '—'} | "
+                     f"{fmt(mean_sd(train))} | {fmt(mean_sd([v - t for v, t in zip(val, train)]), 3)} |")
+
+    lines += ["", "| variant | seeds | c range | s_tgt | branch mismatch ‖L−N‖/‖N‖ | hidden_rms last (max) | "
+              "logit_rms last (max) | |radial_cos| last (max) |", "|---|---|---|---|---|---|---|---|"]
+    for g, by_seed in groups.items():
+        done = [c for c in by_seed.values() if c['status'] == 'finished']
+        if not done:
+            continue
+        cal = [c['calibrate'] for c in done if 'calibrate' in c]
+        cs = [v for k in cal for v in k['c'].values()]
+        mm = [v for k in cal for v in (k['mismatch'] or {}).values()]
+        rng = lambda xs: f"{min(xs):.3f}–{max(xs):.3f}" if xs else '—'
+        diag = lambda k: (f"{statistics.mean(abs(c[k + '_last']) for c in done):.3f} "
+                          f"({max(c[k + '_max'] for c in done):.3f})")
+        lines.append(f"| {g} | {len(done)} | {rng(cs)} | {rng([k['s_tgt'] for k in cal])} | {rng(mm)} | "
+                     f"{diag('hidden_rms')} | {diag('logit_rms')} | {diag('radial_cos')} |")
+
+    tapered = next((c for g, by in groups.items() if g != name_of_baseline for c in by.values()
+                    if c['status'] == 'finished' and 'calibrate' in c), None)
+    if tapered is not None and base:
+        W = tapered['calibrate']['iter'] + 1
+        T = next(int(a.split('=')[1]) for a in reversed(tapered['args'] + ['--taper_iters=750'])
+                 if a.startswith('--taper_iters='))
+        phases = {'warmup': (0, W), 'taper': (W, W + T), 'linear': (W + T, 10 ** 9)}
+        lines += ["", "| variant | " + " | ".join(f"{p} step (vs baseline)" for p in phases) + " |",
+                  "|---|" + "---|" * len(phases)]
+        for g, by_seed in groups.items():
+            cells_ = [(s, c) for s, c in by_seed.items() if c['status'] == 'finished' and s in base]
+            if not cells_:
+                continue
+            row = []
+            for lo, hi in phases.values():
+                ratios, ms = [], []
+                for s, c in cells_:
+                    its = [it for it in c['step_ms'] if lo <= int(it) < hi and it in base[s]['step_ms']]
+                    if its:
+                        mine = statistics.median(c['step_ms'][it] for it in its)
+                        ms.append(mine)
+                        ratios.append(mine / statistics.median(base[s]['step_ms'][it] for it in its))
+                row.append(f"{statistics.mean(ms):.0f} ms ({statistics.mean(ratios):.3f}×)" if ms else '—')
+            lines.append(f"| {g} | " + " | ".join(row) + " |")
+    return '\n'.join(lines)
+
+
+def main(argv):
+    from train import ConfigError, parse_args
+    defaults = {k: v for k, v in globals().items() if k in ('matrix', 'study_dir', 'jobs', 'threads', 'run', 'table')}
+    try:
+        cfg = parse_args(argv, defaults)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}")
+    globals().update(cfg)
+    if matrix not in MATRICES:
+        raise SystemExit(f"config error: matrix={matrix!r}: choose one of {sorted(MATRICES)}")
+    cells = MATRICES[matrix]
+    os.makedirs(study_dir, exist_ok=True)
+    results = Results(os.path.join(study_dir, 'results.json'))
+    if run:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            statuses = list(pool.map(lambda n: run_cell(n, cells[n], os.path.abspath(os.path.join(study_dir, n)),
+                                                        results), cells))
+        if 'failed' in statuses:
+            raise SystemExit(f"{statuses.count('failed')} cell(s) failed; fix and rerun the same command")
+    if table:
+        print(tables({n: results.data['cells'][n] for n in cells if n in results.data['cells']}))
+    return results.data
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])
