@@ -1,0 +1,161 @@
+"""
+Configuration shared by every script (nanoGPT's configurator, as an importable module).
+
+A script declares its keys as module globals between two `# ----` lines, each with a comment:
+
+    # -----------------------------------------------------------------------------
+    ckpt = ''                   # a train.py or fold.py checkpoint
+    temperature = 0.8           # 0: greedy; higher: more random
+    # -----------------------------------------------------------------------------
+
+and calls `cfg = configure(argv, globals())`. The values are, in order: the defaults, each config
+file given (plain Python, executed with the current values as its namespace), then each
+--key=value (a Python literal, or else the bare text). `-h` / `--help` prints the block above.
+Every mistake ends the script with one line that names the key and the fix.
+"""
+
+import ast
+import builtins
+import difflib
+import os
+from types import ModuleType, SimpleNamespace
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A bad configuration: unknown key, wrong type or value, missing config file."""
+
+
+def defaults_block(module_globals):
+    """The lines between the first two `# ----` lines of the calling script: its keys with
+    their defaults and comments, as `--help` prints them."""
+    path = module_globals.get('__file__')
+    if not path or not os.path.exists(path):
+        return ''
+    lines = open(path, encoding='utf-8').read().splitlines()
+    marks = [i for i, line in enumerate(lines) if line.startswith('# ----')]
+    return '\n'.join(lines[marks[0] + 1:marks[1]]) if len(marks) >= 2 else ''
+
+
+def defaults_of(module_globals):
+    """{key: default} of the script's configuration keys (bool, int, float, str globals)."""
+    return {k: v for k, v in module_globals.items()
+            if not k.startswith('_') and k.islower() and isinstance(v, (bool, int, float, str))}
+
+
+def check_type(key, value, default, where, choices=None):
+    """value if it fits the key (the type of its default, an int passes for a float; or one of
+    `choices` when given), else ConfigError."""
+    if choices is not None:
+        if value in choices and type(value) in {type(c) for c in choices}:
+            return value
+        raise ConfigError(f"{where}: {key}={value!r}: choose one of {', '.join(map(repr, choices))}")
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not type(default):
+        raise ConfigError(f"{where}: {key}={value!r} is of type {type(value).__name__}, "
+                          f"expected {type(default).__name__} like the default {default!r}")
+    return value
+
+
+def unknown_key(key, known, where):
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"; did you mean --{close[0]}?" if close else "; -h lists the keys"
+    return ConfigError(f"{where}: unknown config key {key!r}{hint}")
+
+
+def parse_args(args, defaults, choices=None, fill=('out_dir',)):
+    """defaults → config files → --key=value, in the order given; returns a new dict.
+
+    choices: {key: allowed values} for keys that are choices rather than a type (e.g. compile:
+    'auto', True, False). fill: string keys whose {key} placeholders are filled from the final
+    values ('out-{dataset}-{taper}'). A value is read as a Python literal, or else kept as
+    text; a key whose default is a string always keeps the text (a prompt is never a literal).
+    Raises ConfigError naming the key or argument.
+    """
+    choices = choices or {}
+    cfg = dict(defaults)
+    for arg in args:
+        if arg.startswith('--'):
+            key, eq, text = arg[2:].partition('=')
+            if not eq:
+                raise ConfigError(f"{arg}: overrides are written --key=value")
+            if key not in cfg:
+                raise unknown_key(key, cfg, arg)
+            if isinstance(defaults[key], str) and key not in choices:
+                value = text  # --start='"quoted"' keeps its quotes, --start=1984 is text
+            else:
+                try:
+                    value = ast.literal_eval(text)
+                except (SyntaxError, ValueError):
+                    value = text  # a bare word is a string: --compile=auto
+            cfg[key] = check_type(key, value, defaults[key], arg, choices.get(key))
+        elif arg.startswith('-') and '=' in arg:
+            raise ConfigError(f"{arg}: did you mean -{arg}? Overrides start with two dashes")
+        elif not os.path.isfile(arg):
+            if arg.endswith('.py'):
+                raise ConfigError(f"config file {arg!r} not found (paths are relative to the current folder)")
+            raise ConfigError(f"{arg!r} is neither a config file nor --key=value; a value with spaces "
+                              f"needs quotes, e.g. --start='It was a'")
+        else:
+            namespace = dict(cfg, __file__=os.path.abspath(arg))
+            with open(arg) as f:
+                exec(builtins.compile(f.read(), arg, 'exec'), namespace)
+            for key, value in namespace.items():
+                if key.startswith('_') or isinstance(value, ModuleType) or callable(value):
+                    continue
+                if key not in cfg:
+                    raise unknown_key(key, cfg, f"config file {arg}")
+                cfg[key] = check_type(key, value, defaults[key], arg, choices.get(key))
+    for key in fill:
+        if key in cfg:
+            try:
+                cfg[key] = cfg[key].format(**cfg)
+            except (KeyError, ValueError, IndexError) as e:
+                raise ConfigError(f"{key}={cfg[key]!r}: placeholders must be config keys, like "
+                                  f"{{taper}} ({type(e).__name__}: {e})")
+    return cfg
+
+
+def configure(argv, module_globals, choices=None, validate=None):
+    """The configuration of the calling script as a SimpleNamespace (see parse_args), after
+    validate(cfg dict) when given (it raises ConfigError). -h / --help prints the script's
+    docstring and keys and exits 0; a ConfigError exits with its one-line message."""
+    if '-h' in argv or '--help' in argv:
+        print((module_globals.get('__doc__') or '').strip() + '\n\nkeys (--key=value):\n'
+              + defaults_block(module_globals))
+        raise SystemExit(0)
+    try:
+        cfg = parse_args(argv, defaults_of(module_globals), choices)
+        if validate is not None:
+            validate(cfg)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}")
+    return SimpleNamespace(**cfg)
+
+
+def resolve_device(device, dtype='auto'):
+    """(device string, dtype name) from the shared settings; SystemExit with one line if unusable.
+
+    device: 'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:N' or 'mps'. dtype: 'auto'
+    (bfloat16 on a CUDA device that supports it, else float32), 'float32', 'bfloat16', 'float16'.
+    """
+    if device == 'auto':
+        device = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ('cpu', 'cuda', 'mps'):
+        raise SystemExit(f"config error: device={device!r}: use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
+    if kind == 'cuda' and not torch.cuda.is_available():
+        raise SystemExit(f"config error: device={device!r}: this machine has no CUDA device; use --device=cpu")
+    if kind == 'mps' and not torch.backends.mps.is_available():
+        raise SystemExit(f"config error: device={device!r}: this torch build or machine has no MPS "
+                         "(Apple GPU) support; use --device=cpu")
+    if dtype == 'auto':
+        dtype = 'bfloat16' if kind == 'cuda' and torch.cuda.is_bf16_supported() else 'float32'
+    if dtype not in ('float32', 'bfloat16', 'float16'):
+        raise SystemExit(f"config error: dtype={dtype!r}: choose 'auto', 'float32', 'bfloat16' or 'float16'")
+    return device, dtype
