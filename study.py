@@ -27,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from configurator import configure, defaults_of
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # -----------------------------------------------------------------------------
@@ -37,6 +39,7 @@ threads = 1                 # OMP_NUM_THREADS of each cell
 run = True                  # train the cells that are not finished
 table = True                # print the tables of the matrix's finished cells
 # -----------------------------------------------------------------------------
+DEFAULTS = dict(defaults_of(globals()), __file__=__file__, __doc__=__doc__)  # before anything else is defined
 
 # the 1M model, config/cpu.py's schedule, on the single-epoch corpus (mix: austen + sotu + kjv,
 # 3.9M training tokens; 1500 steps × 2,048 tokens = 0.79 epochs)
@@ -135,7 +138,7 @@ class Results:
             atomic_write_json(self.data, self.path)
 
 
-def run_cell(name, args, out_dir, results):
+def run_cell(name, args, out_dir, results, threads):
     """Train one cell to its end (or its divergence) and record it. Returns its status."""
     records = read_log(out_dir)
     if any('final_val_loss' in r for r in records):
@@ -162,20 +165,20 @@ def run_cell(name, args, out_dir, results):
                       flush=True)
                 return 'failed'
             it = int(tail.rsplit('at iteration ', 1)[1].split(';')[0])
-            results.put(name, dict(status='diverged', diverged_at=it, args=args, **provenance(wall)))
+            results.put(name, dict(status='diverged', diverged_at=it, args=args, **provenance(wall, threads)))
             print(f"{name}: diverged at iteration {it}", flush=True)
             return 'diverged'
         records, status = read_log(out_dir), 'finished'
-        results.put(name, dict(status=status, args=args, **provenance(wall), **summarize(records)))
+        results.put(name, dict(status=status, args=args, **provenance(wall, threads), **summarize(records)))
         print(f"{name}: final_val_loss {results.data['cells'][name]['final_val_loss']:.4f} "
               f"({wall / 60:.1f} min)", flush=True)
         return status
     if results.data['cells'].get(name, {}).get('status') != 'finished':  # finished before results.json knew
-        results.put(name, dict(status=status, args=args, **provenance(None), **summarize(records)))
+        results.put(name, dict(status=status, args=args, **provenance(None, threads), **summarize(records)))
     return status
 
 
-def provenance(wall_s):
+def provenance(wall_s, threads):
     return dict(git_commit=git_commit(), torch=torch.__version__, threads=threads, wall_s=wall_s)
 
 
@@ -260,25 +263,18 @@ def tables(cells, name_of_baseline='baseline-end'):
 
 
 def main(argv):
-    from train import ConfigError, parse_args
-    defaults = {k: v for k, v in globals().items() if k in ('matrix', 'study_dir', 'jobs', 'threads', 'run', 'table')}
-    try:
-        cfg = parse_args(argv, defaults)
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}")
-    globals().update(cfg)
-    if matrix not in MATRICES:
-        raise SystemExit(f"config error: matrix={matrix!r}: choose one of {sorted(MATRICES)}")
-    cells = MATRICES[matrix]
-    os.makedirs(study_dir, exist_ok=True)
-    results = Results(os.path.join(study_dir, 'results.json'))
-    if run:
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
-            statuses = list(pool.map(lambda n: run_cell(n, cells[n], os.path.abspath(os.path.join(study_dir, n)),
-                                                        results), cells))
+    """Run (and/or tabulate) the matrix given by argv; returns the results file's contents."""
+    cfg = configure(argv, DEFAULTS, choices={'matrix': tuple(MATRICES)})
+    cells = MATRICES[cfg.matrix]
+    os.makedirs(cfg.study_dir, exist_ok=True)
+    results = Results(os.path.join(cfg.study_dir, 'results.json'))
+    if cfg.run:
+        with ThreadPoolExecutor(max_workers=cfg.jobs) as pool:
+            statuses = list(pool.map(lambda n: run_cell(n, cells[n], os.path.abspath(os.path.join(cfg.study_dir, n)),
+                                                        results, cfg.threads), cells))
         if 'failed' in statuses:
             raise SystemExit(f"{statuses.count('failed')} cell(s) failed; fix and rerun the same command")
-    if table:
+    if cfg.table:
         print(tables({n: results.data['cells'][n] for n in cells if n in results.data['cells']}))
     return results.data
 
