@@ -91,8 +91,8 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',)):
                 except (SyntaxError, ValueError):
                     value = text  # a bare word is a string: --compile=auto
             cfg[key] = check_type(key, value, defaults[key], arg, choices.get(key))
-        elif arg.startswith('-') and '=' in arg:
-            raise ConfigError(f"{arg}: did you mean -{arg}? Overrides start with two dashes")
+        elif '=' in arg and arg.lstrip('-').partition('=')[0].isidentifier():
+            raise ConfigError(f"{arg}: did you mean --{arg.lstrip('-')}? Overrides start with two dashes")
         elif not os.path.isfile(arg):
             if arg.endswith('.py'):
                 raise ConfigError(f"config file {arg!r} not found (paths are relative to the current folder)")

@@ -64,6 +64,13 @@ class GPTConfig:
             raise ValueError(f"norm={self.norm!r}: choose one of {NORMS}")
         if self.taper not in TAPERS:
             raise ValueError(f"taper={self.taper!r}: choose one of {TAPERS}")
+        for key in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd'):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+        if self.norm_eps < 0:
+            raise ValueError(f"norm_eps={self.norm_eps} must be >= 0")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.aux_weight < 0:
