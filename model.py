@@ -1,21 +1,24 @@
 """
 A GPT-2-shaped pre-norm transformer whose normalization layers can taper away.
 
-TaperNorm (SPEC §1) mixes a normalizing branch and a sample-independent linear branch
+TaperNorm (docs/method.md §1) mixes a normalizing branch and a sample-independent linear branch
 with one global gate g ∈ [0, 1]:
 
     TaperNorm(h; g) = g · (h / r(h)) ⊙ γ  +  (1 − g) · c · h ⊙ γ̃,     r(h) = sqrt(mean_i h_i² + ε)
 
 Training moves g from 1 to 0 (train.py holds the schedule); at g = 0 every tapered layer is
-the fixed map h ↦ c·h⊙γ̃, which can be merged into the next linear layer (SPEC §5).
+the fixed map h ↦ c·h⊙γ̃, which can be merged into the next linear layer (docs/method.md §5).
 
 Everything the method adds lives here, each in one place:
-- `TaperNorm`                   the layer, RMS and LayerNorm kinds          (SPEC §1)
-- `GPT.calibration_step`        per-step EMA of the calibration statistics   (SPEC §3)
-- `GPT.calibrate`               the calibrate event: c, s_tgt, γ̃ ← γ          (SPEC §2–§4)
-- `aux_loss`                    the scale-anchor loss L_aux on h before ln_f  (SPEC §4)
-- `TaperScale`, `GPT.unfused`   g = 0 kept as one precomputed multiply         (SPEC §5)
-- `GPTConfig.folded`            a model whose tapered norms fold.py merged away (SPEC §5;
+- `TaperNorm`                   the layer, RMS and LayerNorm kinds          (docs/method.md §1)
+- `GPT.set_collect`, `GPT.calibrate`
+                                the calibrate event: c, s_tgt, γ̃ ← γ          (docs/method.md §2–§4)
+- `GPT.calibration_step`        calibration='ema': per-step EMA of the statistics (docs/method.md §3)
+- `GPT.branch_mismatch`         ‖L − N‖/‖N‖ where the taper starts              (docs/method.md §3)
+- `aux_loss`                    the scale-anchor loss L_aux on h before ln_f  (docs/method.md §4)
+- `RadialCos`                   cos(∂CE/∂h, h) at the pre-logit state: logit chasing's signature (§4)
+- `TaperScale`, `GPT.unfused`   g = 0 kept as one precomputed multiply         (docs/method.md §5)
+- `GPTConfig.folded`            a model whose tapered norms fold.py merged away (docs/method.md §5;
                                 the arithmetic is fold.py's `fold_state_dict`)
 
 Inference uses a static, preallocated KV cache (`KVCache`, `GPT.setup_caches`, as in
@@ -38,10 +41,10 @@ import torch.nn.functional as F
 NORMS = ('rmsnorm', 'layernorm')
 TAPERS = ('none', 'internal', 'all')
 PHASES = ('warmup', 'taper', 'linear')  # 'baseline' is the phase of a model with taper='none'
-# the model ladder of SPEC §6 (vocabulary 10k, context 512, tied head), shared by config/ and bench.py
+# the model ladder of docs/method.md §6 (vocabulary 10k, context 512, tied head), shared by config/ and bench.py
 LADDER = {'1M': dict(n_layer=8, n_embd=64, n_head=2), '3M': dict(n_layer=8, n_embd=128, n_head=4),
           '9M': dict(n_layer=8, n_embd=256, n_head=4), '30M': dict(n_layer=8, n_embd=512, n_head=8)}
-CALIB_DECAY = 0.99  # ρ: EMA decay per optimizer step of the calibration statistics (SPEC §3)
+CALIB_DECAY = 0.99  # ρ: EMA decay per optimizer step of the calibration statistics (docs/method.md §3)
 
 
 @dataclass
@@ -55,7 +58,7 @@ class GPTConfig:
     bias: bool = True           # biases in Linear layers and LayerNorm β (GPT-2 style)
     norm: str = 'rmsnorm'       # 'rmsnorm' | 'layernorm' (TaperLN, for GPT-2)
     taper: str = 'none'         # 'none' (baseline) | 'internal' (ln_1, ln_2) | 'all' (+ ln_f)
-    aux_weight: float = 0.0     # λ of L_aux (SPEC §4); 0 disables it
+    aux_weight: float = 0.0     # λ of L_aux (docs/method.md §4); 0 disables it
     norm_eps: float = 1e-5      # ε, passed explicitly to every norm
     folded: bool = False        # the tapered norms were folded into the next linear layers (fold.py)
 
@@ -82,7 +85,7 @@ class GPTConfig:
             raise ValueError("folded=True needs taper='internal' or 'all': only tapered norms fold")
 
     def untied_head(self):
-        """True when ln_f was folded into the LM head, which then has its own weight (SPEC §5)."""
+        """True when ln_f was folded into the LM head, which then has its own weight (docs/method.md §5)."""
         return self.folded and self.taper == 'all'
 
 
@@ -111,14 +114,14 @@ def norm_input(h, kind):
 def norm_scale(h, kind, eps):
     """r(h) = sqrt(mean_i h_i² + ε) (RMS kind) or σ(h), the same of P h (LN kind).
 
-    h: (..., d) -> (..., 1). This is also s(h), the scale L_aux anchors (SPEC §4).
+    h: (..., d) -> (..., 1). This is also s(h), the scale L_aux anchors (docs/method.md §4).
     """
     x = norm_input(h, kind)
     return torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def aux_loss(s, s_tgt, aux_weight):
-    """L_aux = λ · mean_tokens (s(h) − s_tgt)², the explicit scale anchor (SPEC §4).
+    """L_aux = λ · mean_tokens (s(h) − s_tgt)², the explicit scale anchor (docs/method.md §4).
 
     s: (B, T, 1) = norm_scale(h) of the residual stream h before the final norm; s_tgt: 0-dim
     tensor; returns a 0-dim tensor. Its gradient with respect to each token's h is radial (along
@@ -162,7 +165,7 @@ class Norm(nn.Module):
 
 
 class TaperNorm(Norm):
-    """TaperNorm(h; g) = g · N(h) + (1 − g) · L(h)   (SPEC §1).
+    """TaperNorm(h; g) = g · N(h) + (1 − g) · L(h)   (docs/method.md §1).
 
     N(h) = (h / r(h)) ⊙ γ                   (RMS kind; LN kind: LayerNorm with γ, β)
     L(h) = c · h ⊙ γ̃                         (RMS kind; LN kind: c · (P h) ⊙ γ̃ + β̃)
@@ -174,7 +177,7 @@ class TaperNorm(Norm):
 
     `collect` (set by `GPT.set_collect`) makes a warmup forward also record statistics of its
     input: 'calibration' adds the token means of x_i²/r(h) and x_i² (x = h or P h) for c
-    (SPEC §3); 'mismatch' adds ‖L(h) − N(h)‖² and ‖N(h)‖² over tokens.
+    (docs/method.md §3); 'mismatch' adds ‖L(h) − N(h)‖² and ‖N(h)‖² over tokens.
     Buffers: c (scalar, set by calibration, never trained), calib_num / calib_den (the 'ema'
     mode's EMAs of N_i = E[x_i²/r] and D_i = E[x_i²], fp32, (d,)), and non-persistent sums.
     h: (..., d) -> (..., d); gate: 0-dim tensor.
@@ -222,7 +225,7 @@ class TaperNorm(Norm):
 
 
 class TaperScale(nn.Module):
-    """A TaperNorm at g = 0 kept as an explicit op: "unfused" inference (SPEC §5).
+    """A TaperNorm at g = 0 kept as an explicit op: "unfused" inference (docs/method.md §5).
 
     x ↦ x ⊙ a with a = c·γ̃ precomputed once, one elementwise multiply per token (LN kind:
     (x − mean x) ⊙ a + β̃). Built by `GPT.unfused()` for inference; it does not train.
@@ -246,7 +249,7 @@ class RadialCos(torch.autograd.Function):
     """Identity on h (B, T, d) whose backward also returns, as the gradient of `sink` (a 0-dim
     leaf), the mean over tokens of cos(∂ℓ/∂h, h): the radial share of the gradient reaching h.
 
-    The diagnostic of logit chasing (SPEC §4): a final norm makes ∂CE/∂h orthogonal to h, so
+    The diagnostic of logit chasing (docs/method.md §4): a final norm makes ∂CE/∂h orthogonal to h, so
     it is ≈ 0 with one and not without. Part of the graph, so no second backward and no
     recompile; gradients accumulate in sink.grad like any other (sum over micro-batches).
     """
@@ -342,7 +345,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Pre-norm GPT with tied token embedding / LM head and optional TaperNorm layers.
 
-    taper='internal' tapers ln_1 and ln_2 of every block; 'all' tapers ln_f too (SPEC §4).
+    taper='internal' tapers ln_1 and ln_2 of every block; 'all' tapers ln_f too (docs/method.md §4).
     The model owns the one global gate g (buffer `gate`), the scale target s_tgt and its EMA.
     With config.folded the tapered norms are absent (None: no op runs in their place), and
     under All-Taper the LM head is untied from the token embedding (LN kind: with a bias).
@@ -366,10 +369,10 @@ class GPT(nn.Module):
             h=nn.ModuleList([Block(config, make_norm) for _ in range(config.n_layer)]),
             ln_f=make_norm(final=True),
         ))
-        # a folded LayerNorm's β̃ reaches the logits as W β̃: the folded head carries it as a bias (SPEC §5)
+        # a folded LayerNorm's β̃ reaches the logits as W β̃: the folded head carries it as a bias (docs/method.md §5)
         head_bias = config.untied_head() and config.norm == 'layernorm' and config.bias
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=head_bias)
-        if not config.untied_head():  # folding ln_f gives the head its own weight W' (SPEC §5)
+        if not config.untied_head():  # folding ln_f gives the head its own weight W' (docs/method.md §5)
             self.transformer.wte.weight = self.lm_head.weight
 
         self.register_buffer('gate', torch.ones(()))  # g, used only in the taper phase
@@ -418,7 +421,7 @@ class GPT(nn.Module):
     # ---- schedule -----------------------------------------------------------------------
 
     def set_phase(self, phase):
-        """Select the code path of every TaperNorm (SPEC §1) and which gains train.
+        """Select the code path of every TaperNorm (docs/method.md §1) and which gains train.
 
         γ, β of tapered layers are unused in 'linear', γ̃, β̃ unused in 'warmup': they get
         requires_grad=False so DDP (which needs every trainable parameter used) does not fail.
@@ -446,7 +449,7 @@ class GPT(nn.Module):
         """Set the global gate g in place (a Python float; the buffer keeps its identity)."""
         self.gate.fill_(g)
 
-    # ---- calibration (SPEC §3, §4) ------------------------------------------------------
+    # ---- calibration (docs/method.md §3, §4) ------------------------------------------------------
 
     def set_collect(self, mode):
         """Make warmup forwards record statistics (see TaperNorm): None (off), 'calibration'
@@ -492,9 +495,9 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def calibrate(self, mode='end'):
-        """The calibrate event (SPEC §2–§4): freeze c per layer and s_tgt, set γ̃ ← γ, β̃ ← β.
+        """The calibrate event (docs/method.md §2–§4): freeze c per layer and s_tgt, set γ̃ ← γ, β̃ ← β.
 
-        c = Σ_i γ_i² N_i / Σ_i γ_i² D_i with the γ being copied (SPEC §3), from
+        c = Σ_i γ_i² N_i / Σ_i γ_i² D_i with the γ being copied (docs/method.md §3), from
         mode='end': the statistics collected since the last reset (the forwards run under
           set_collect('calibration') on the model as it is now; s_tgt = their mean s(h));
         mode='ema': the EMAs of calibration_step (their bias correction cancels in c; s_tgt is
@@ -537,7 +540,7 @@ class GPT(nn.Module):
     def branch_mismatch(self):
         """{layer name: ‖L(h) − N(h)‖ / ‖N(h)‖} over every token of the forwards run under
         set_collect('mismatch') (all-reduced over ranks): how far the linear branch the taper
-        starts from is from the normalizing branch it replaces (SPEC §3). The sums are reset.
+        starts from is from the normalizing branch it replaces (docs/method.md §3). The sums are reset.
         Raises RuntimeError if nothing was collected."""
         norms = self.tapernorms()
         sums = self._take_sums([m.mismatch_sums for _, m in norms])
@@ -555,7 +558,7 @@ class GPT(nn.Module):
         Without: returns (logits of the last position (B, 1, V), None); so a prefill returns
         only the logits that choose the next token.
         L_aux = λ · mean_tokens (s(h) − s_tgt)² on the residual stream h before the final norm
-        (SPEC §4), active in the taper and linear phases when λ > 0.
+        (docs/method.md §4), active in the taper and linear phases when λ > 0.
         input_pos: None for the ordinary causal forward, or the (T,) positions of idx to write
         into and attend over the KV caches (prefill: 0..T−1; decode: one position), after
         `setup_caches`. Positions are not range-checked here (that would sync with the host);
@@ -658,7 +661,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def unfused(self):
-        """Replace every TaperNorm by a TaperScale holding c·γ̃: "unfused" inference (SPEC §5).
+        """Replace every TaperNorm by a TaperScale holding c·γ̃: "unfused" inference (docs/method.md §5).
 
         For inference only, in place; returns self. Raises RuntimeError unless the model is in
         the linear phase (g = 0), where a TaperNorm is exactly that map.
@@ -674,7 +677,7 @@ class GPT(nn.Module):
     def implied_phase(self):
         """The phase the buffers imply, for a loaded checkpoint: 'baseline' (taper='none'),
         'warmup' (not calibrated), 'taper' (g > 0) or 'linear' (g = 0; the taper phase never
-        has g = 0, SPEC §2)."""
+        has g = 0, docs/method.md §2)."""
         if self.config.taper == 'none':
             return 'baseline'
         if not self.calibrated:

@@ -7,7 +7,7 @@
 dataset = 'austen'       # ~0.94M training tokens, 10k compact vocabulary (99.3 % kept)
 device = 'cpu'
 
-# The 1M row of the SPEC §6 ladder (n_embd=64, n_head=2; 1.07M parameters at context 512,
+# The 1M row of the docs/method.md §6 ladder (n_embd=64, n_head=2; 1.07M parameters at context 512,
 # 1.06M here) with a 4× shorter context.
 n_embd = 64
 n_head = 2

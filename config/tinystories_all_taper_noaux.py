@@ -1,4 +1,4 @@
-# All-Taper without the scale anchor (λ = 0): the ablation that shows logit chasing, logit_rms growing through the taper and linear phases (SPEC §4).
+# All-Taper without the scale anchor (λ = 0): the ablation that shows logit chasing, logit_rms growing through the taper and linear phases (docs/method.md §4).
 #   python train.py config/tinystories_all_taper_noaux.py
 # Same model, data, seed and budget as tinystories_baseline.py; only taper and aux_weight differ.
 import os

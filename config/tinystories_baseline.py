@@ -6,7 +6,7 @@
 dataset = 'tinystories'          # data/tinystories/prepare.py: 10k compact GPT-2 vocabulary
 out_dir = 'out-tinystories-baseline'
 
-# Model: the 9M row of the SPEC §6 ladder (8 layers, context 512, tied embeddings).
+# Model: the 9M row of the docs/method.md §6 ladder (8 layers, context 512, tied embeddings).
 # Parameters ≈ V·d + T·d + 8·(12·d² + 11·d) + d with V = 10000, T = 512:
 #   1M: n_embd=64,  n_head=2 (1.07M)    3M: n_embd=128, n_head=4 (2.93M)
 #   9M: n_embd=256, n_head=4 (9.01M)    30M: n_embd=512, n_head=8 (30.6M)
@@ -33,7 +33,7 @@ lr_decay_iters = 5000
 
 # TaperNorm schedule (used by the taper configs; ignored by the baseline): the gate is held
 # at 1 during the LR warmup (W = 500), tapers over half the run (T = 2500), and the last
-# 2000 steps train the purely linear model, the one that folds (SPEC §5).
+# 2000 steps train the purely linear model, the one that folds (docs/method.md §5).
 gate_warmup_iters = 500
 taper_iters = 2500
 
