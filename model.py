@@ -747,3 +747,55 @@ def load_checkpoint(path, device='cpu'):
     if missing:
         raise SystemExit(f"{path} is not a tapernorm checkpoint: it lacks {', '.join(missing)}")
     return ckpt
+
+
+def save_checkpoint(obj, path):
+    """torch.save to a temp file, fsync, then rename: a crash or Ctrl-C mid-save keeps the old file."""
+    tmp = path + '.tmp'
+    try:
+        with open(tmp, 'wb') as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+CHECKPOINT_KEYS = ('model', 'model_args')  # what every checkpoint holds; train.py's also optimizer, iter_num, config
+
+
+def load_checkpoint(path, device='cpu'):
+    """The dict that train.py or fold.py saved at path, tensors on device (weights_only: no
+    code runs). The one loader every script uses; SystemExit with one line that says what is
+    wrong: no file (a run folder names its ckpt.pt), not a readable checkpoint, missing keys.
+    """
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, 'ckpt.pt')):
+        raise SystemExit(f"{path} is a run folder: pass its checkpoint, {os.path.join(path, 'ckpt.pt')}")
+    if not os.path.isfile(path):
+        raise SystemExit(f"checkpoint {path} not found: train.py writes OUT_DIR/ckpt.pt, fold.py its --out")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except Exception:  # torch raises many kinds (UnpicklingError, EOFError, RuntimeError, ...)
+        raise SystemExit(f"{path} is not a readable checkpoint (truncated or corrupt); "
+                         "use another copy or retrain") from None
+    missing = [k for k in CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise SystemExit(f"{path} is not a tapernorm checkpoint: it lacks {', '.join(missing)}")
+    return ckpt
+
+
+def save_checkpoint(obj, path):
+    """torch.save obj to path atomically: a temp file, fsync, then rename, so a crash or Ctrl-C
+    mid-save keeps the old file. The one writer train.py and fold.py use (load_checkpoint reads)."""
+    tmp = path + '.tmp'
+    try:
+        with open(tmp, 'wb') as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
