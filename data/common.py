@@ -8,14 +8,16 @@ meta.json. Used by the prepare scripts, and by train.py / sample.py through load
 How a dataset is made (both scripts):
 1. Pass 1 encodes documents with GPT-2 BPE (tiktoken "gpt2", encode_ordinary, 2 worker
    processes) and appends the GPT-2 ids, with the end-of-text id 50256 after every document, to a
-   temporary uint16 file per split. Nothing holds the whole token stream in memory.
+   temporary uint16 file per split. Every document's line endings are normalized ("\\r\\n" and
+   a lone "\\r" become "\\n"); an empty or whitespace-only document is skipped (no tokens, no
+   end-of-text) and counted. Nothing holds the whole token stream in memory.
 2. The compact vocabulary is built from the token counts of the training split only: the K - 1
    most frequent GPT-2 tokens (end-of-text always among them), by descending count, ties by
    GPT-2 id, become ids 0 .. K-2; every other token becomes <unk> = K - 1.
 3. Pass 2 maps the temporary files chunk by chunk through a lookup table into train.bin /
    val.bin (uint16), written under a temporary name and renamed, then meta.json:
    vocab_size, tokenizer, gpt2_ids (compact id -> GPT-2 id, <unk> excluded), unk_id, eot_id,
-   tokens {train, val}, unk_rate {train, val}, sources.
+   tokens {train, val}, unk_rate {train, val}, sources, skipped_empty_docs.
 vocab_size = 0 keeps the full GPT-2 vocabulary (50257 ids, identity mapping, unk_id null).
 """
 
@@ -25,6 +27,7 @@ import multiprocessing
 import os
 import re
 from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 from tqdm import tqdm
@@ -115,6 +118,22 @@ def split_exact(text, piece_chars=PIECE_CHARS):
     return pieces
 
 
+def normalize_newlines(text):
+    """Text with every line ending as "\\n": "\\r\\n" and a lone "\\r" become "\\n". Every document
+    and prompt goes through this, so a CRLF file and an LF file of the same text give the same
+    ids, and no split holds "\\r" tokens the others never see."""
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return text
+
+
+def read_text(path):
+    """The whole of a UTF-8 text file as str, line endings normalized (normalize_newlines).
+    A stray bad byte does not abort a run: it becomes U+FFFD."""
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        return normalize_newlines(f.read())
+
+
 def _batches(docs, batch_chars):
     """Group documents into worker tasks: lists of (text, ends_document) of ~batch_chars."""
     batch, size = [], 0
@@ -139,18 +158,36 @@ def _encode_batch(batch):
     return np.fromiter(itertools.chain.from_iterable(ids), dtype=np.uint16)
 
 
+class Encoded(NamedTuple):
+    """What encode_documents returns."""
+    doc_ends: np.ndarray  # int64 (n_docs,): token offset just past each document's end-of-text
+    skipped: int          # empty or whitespace-only documents left out (no tokens, no end-of-text)
+
+
 def encode_documents(docs, path, desc="encode", num_proc=NUM_PROC, batch_chars=BATCH_CHARS):
     """Pass 1: encode an iterable of documents (str) with GPT-2 BPE and write their ids, each
     document followed by end-of-text (50256), to `path` as uint16 (the file is overwritten).
 
+    Every document's line endings are normalized first (normalize_newlines). A document that is
+    empty or whitespace-only is skipped: it adds no tokens and no end-of-text, and is counted.
     Streams: the documents are consumed lazily and at most 2 * num_proc batches of ~batch_chars
     characters are in flight, so memory does not grow with the corpus. encode_ordinary never
     emits 50256 (the special token is not in the BPE ranks), so end-of-text ids mark documents.
-    Returns doc_ends: int64 array (n_docs,), the token offset just past each document's
-    end-of-text. A progress bar counts tokens.
+    Returns Encoded(doc_ends, skipped). A progress bar counts tokens.
     """
     get_encoder()  # load (and fail, if it must) before forking, so workers inherit it
-    batches = _batches(docs, batch_chars)
+    skipped = 0
+
+    def kept(docs):
+        nonlocal skipped
+        for doc in docs:
+            doc = normalize_newlines(doc)
+            if doc.strip():
+                yield doc
+            else:
+                skipped += 1
+
+    batches = _batches(kept(docs), batch_chars)
     head = list(itertools.islice(batches, 2))
     if len(head) < 2 or num_proc < 2:
         # small inputs (tests, tiny corpora) are not worth starting processes for
@@ -169,7 +206,8 @@ def encode_documents(docs, path, desc="encode", num_proc=NUM_PROC, batch_chars=B
     finally:
         if pool is not None:
             pool.terminate()
-    return np.concatenate(doc_ends) if doc_ends else np.zeros(0, dtype=np.int64)
+    ends = np.concatenate(doc_ends) if doc_ends else np.zeros(0, dtype=np.int64)
+    return Encoded(ends, skipped)
 
 
 def _bounded_imap(pool, fn, items, window):
@@ -251,12 +289,14 @@ def _remap(segments, lut, unk_id, out_path):
     return n, n_unk
 
 
-def write_dataset(out_dir, splits, vocab_size, sources):
+def write_dataset(out_dir, splits, vocab_size, sources, skipped_empty_docs=0):
     """Build the vocabulary from splits["train"] and write train.bin, val.bin and meta.json.
 
     splits: {"train": segments, "val": segments}, segments = [(path, start, end)] of the pass-1
     GPT-2 id files (token offsets). vocab_size: K (2 .. 50257) or 0 for full GPT-2. sources: list
-    of str for meta.json. SystemExit if a split is empty. Returns the meta dict.
+    of str for meta.json. skipped_empty_docs: the empty documents encode_documents left out (the
+    sum of its `skipped`), recorded in meta.json. SystemExit if a split is empty. Returns the meta
+    dict.
     """
     check_vocab_size(vocab_size)
     for split in ("train", "val"):
@@ -282,6 +322,7 @@ def write_dataset(out_dir, splits, vocab_size, sources):
         "tokens": tokens,
         "unk_rate": unk_rate,
         "sources": [str(s) for s in sources],
+        "skipped_empty_docs": int(skipped_empty_docs),
     }
     with open(meta_path + ".tmp", "w") as f:
         json.dump(meta, f)
@@ -296,6 +337,8 @@ def report(meta, out_dir, seconds):
               f"{100 * meta['unk_rate'][split]:.3f} %  -> {os.path.join(out_dir, split + '.bin')}")
     print(f"vocab_size {meta['vocab_size']} (unk_id {meta['unk_id']}, eot_id {meta['eot_id']}), "
           f"{seconds:.1f} s -> {os.path.join(out_dir, 'meta.json')}")
+    if meta.get("skipped_empty_docs"):
+        print(f"skipped {meta['skipped_empty_docs']:,} empty or whitespace-only documents")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -313,9 +356,12 @@ def load_meta(data_dir):
 
 
 def encode(text, meta):
-    """Text -> list of compact ids under meta (GPT-2 BPE, unknown tokens -> unk_id)."""
+    """Text -> list of compact ids under meta, as the prepare scripts encode a document: line
+    endings normalized, GPT-2 BPE with "<|endoftext|>" as ordinary text (as it is in training
+    documents), unknown tokens -> unk_id."""
     lut = lookup_table(meta["gpt2_ids"], meta["unk_id"])
-    return lut[np.asarray(get_encoder().encode_ordinary(text), dtype=np.int64)].tolist()
+    ids = get_encoder().encode_ordinary(normalize_newlines(text))
+    return lut[np.asarray(ids, dtype=np.int64)].tolist()
 
 
 def decode(ids, meta):

@@ -125,8 +125,9 @@ def test_split_exact_pieces_encode_like_the_whole_text(enc):
 def test_encode_documents_pool_matches_serial(tmp_path, enc):
     docs = [make_corpus(30, seed=i) for i in range(12)]
     a, b = tmp_path / "a.tmp", tmp_path / "b.tmp"
-    ends_a = common.encode_documents(iter(docs), str(a), num_proc=1)
-    ends_b = common.encode_documents(iter(docs), str(b), num_proc=2, batch_chars=500)
+    ends_a, skipped_a = common.encode_documents(iter(docs), str(a), num_proc=1)
+    ends_b, skipped_b = common.encode_documents(iter(docs), str(b), num_proc=2, batch_chars=500)
+    assert skipped_a == skipped_b == 0
     ids = read_bin(a)
     assert np.array_equal(ids, read_bin(b)) and np.array_equal(ends_a, ends_b)
     expected = sum((enc.encode_ordinary(d) + [common.GPT2_EOT] for d in docs), [])
@@ -355,3 +356,80 @@ def test_tinystories_bad_inputs_give_clear_errors(tmp_path, case, message):
 def test_load_meta_missing_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="prepare"):
         common.load_meta(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------
+# line endings and empty documents (both scripts, through common.encode_documents)
+
+def test_encode_documents_normalizes_line_endings_and_skips_empty_documents(tmp_path, enc):
+    docs = ["one\r\ntwo\rthree\n", "", "  \r\n\t", "four"]
+    ends, skipped = common.encode_documents(iter(docs), str(tmp_path / "a.tmp"))
+    assert skipped == 2 and len(ends) == 2
+    expected = enc.encode_ordinary("one\ntwo\nthree\n") + [common.GPT2_EOT] + \
+        enc.encode_ordinary("four") + [common.GPT2_EOT]
+    assert read_bin(tmp_path / "a.tmp").tolist() == expected
+
+
+def test_text_crlf_and_lf_files_give_the_same_ids(tmp_path):
+    text = make_corpus(200)
+    (tmp_path / "lf.txt").write_bytes(text.encode())
+    (tmp_path / "crlf.txt").write_bytes(text.replace("\n", "\r\n").encode())
+    (tmp_path / "cr.txt").write_bytes(text.replace("\n", "\r").encode())
+    for name in ("lf", "crlf", "cr"):
+        text_prepare.main([f"--input={tmp_path / name}.txt", "--vocab_size=0",
+                           f"--out_dir={tmp_path / name}"])
+    for split in ("train", "val"):
+        lf = read_bin(tmp_path / "lf" / f"{split}.bin")
+        assert np.array_equal(lf, read_bin(tmp_path / "crlf" / f"{split}.bin"))
+        assert np.array_equal(lf, read_bin(tmp_path / "cr" / f"{split}.bin"))
+
+
+def test_tinystories_crlf_val_file_holds_no_carriage_returns(tmp_path, enc):
+    train, val = stories(20, seed=7), stories(4, seed=8)
+    write_tinystories_txt(tmp_path / "a-train.txt", train)
+    crlf = "".join(f"{s}\n{EOT_TEXT}\n" for s in val).replace("\n", "\r\n")
+    (tmp_path / "a-valid.txt").write_bytes(crlf.encode())
+    (tmp_path / "lf").mkdir()
+    write_tinystories_txt(tmp_path / "lf" / "a-valid.txt", val)
+    for out, val_file in (("o_crlf", tmp_path / "a-valid.txt"),
+                          ("o_lf", tmp_path / "lf" / "a-valid.txt")):
+        ts_prepare.main([f"--input={tmp_path / 'a-train.txt'}", f"--input={val_file}",
+                         "--vocab_size=0", f"--out_dir={tmp_path / out}"])
+    ids = read_bin(tmp_path / "o_crlf" / "val.bin")
+    assert np.array_equal(ids, read_bin(tmp_path / "o_lf" / "val.bin"))
+    carriage_returns = {t for t in range(common.GPT2_EOT) if "\r" in enc.decode([t])}
+    assert not carriage_returns & set(ids.tolist())
+
+
+@pytest.mark.parametrize("fmt", ["txt", "jsonl", "parquet"])
+def test_tinystories_empty_stories_are_skipped_and_counted(tmp_path, fmt):
+    items = stories(10, seed=9)
+    rows = items[:3] + ["", "   \n "] + items[3:6] + [None] + items[6:]  # 3 empty ones
+    if fmt == "txt":
+        # "" and whitespace between two markers; a txt story cannot be null
+        rows = [r for r in rows if r is not None]
+        (tmp_path / "s-train.txt").write_text("".join(f"{s}\n{EOT_TEXT}\n" for s in rows))
+        n_empty = 2
+    elif fmt == "jsonl":
+        (tmp_path / "s-train.jsonl").write_text(
+            "".join(json.dumps({"text": s}) + "\n" for s in rows))
+        n_empty = 3
+    else:
+        pa = pytest.importorskip("pyarrow")
+        pq = pytest.importorskip("pyarrow.parquet")
+        pq.write_table(pa.table({"text": rows}), tmp_path / "s-train.parquet")
+        n_empty = 3
+    meta = ts_prepare.main([f"--input={tmp_path}/s-train.{fmt}", "--vocab_size=0",
+                            f"--out_dir={tmp_path / 'o'}"])
+    assert meta["skipped_empty_docs"] == n_empty
+    ids = np.concatenate([read_bin(tmp_path / "o" / f"{s}.bin") for s in ("train", "val")])
+    # an end-of-text after every document that is in the stream, and none for the skipped
+    assert np.count_nonzero(ids == common.GPT2_EOT) == len(items)
+    assert common.decode(ids, meta) == "".join(s + EOT_TEXT for s in items)
+
+
+def test_text_meta_records_no_skipped_documents(tmp_path):
+    f = tmp_path / "c.txt"
+    f.write_text(make_corpus())
+    meta = text_prepare.main([f"--input={f}", "--vocab_size=50", f"--out_dir={tmp_path}"])
+    assert meta["skipped_empty_docs"] == 0

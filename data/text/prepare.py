@@ -7,7 +7,7 @@ Prepare any local plain-text corpus (UTF-8) as data/NAME/{train.bin,val.bin,meta
 
 Each input file is one document (GPT-2 BPE, end-of-text after it). Its last 5 % of characters,
 cut at a line break, goes to the validation split, the rest to training, so the two never
-overlap. --vocab_size=K (default 10000) keeps the K - 1 most frequent training tokens plus
+overlap. Line endings are normalized to "\\n". --vocab_size=K (default 10000) keeps the K - 1 most frequent training tokens plus
 <unk>; 0 keeps the full GPT-2 vocabulary. --out_dir=DIR writes somewhere other than data/NAME/.
 See data/common.py for the format.
 """
@@ -39,10 +39,7 @@ def split_at_line(text, val_fraction=VAL_FRACTION):
 
 def read_split(path):
     """(train, val) text of one input file; SystemExit if it cannot be split."""
-    # a stray bad byte should not abort the run; it becomes U+FFFD
-    with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read()
-    parts = split_at_line(text)
+    parts = split_at_line(common.read_text(path))
     if parts is None:
         raise SystemExit(f"{path} is too short to split: the validation split is its last "
                          f"{VAL_FRACTION:.0%} cut at a line break, so it needs at least two "

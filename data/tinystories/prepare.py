@@ -11,7 +11,8 @@ data/tinystories/{train.bin,val.bin,meta.json}:
 <|endoftext|> lines), .parquet files (needs pyarrow) or JSON Lines files (.jsonl / .json) with a
 `text` column, one story per row. A file whose name contains "valid" (so also "validation") is
 the validation split; if none is given, the last 1 % of the training stories is. Every story is
-one document (GPT-2 BPE, end-of-text after it). --vocab_size=K (default 10000) keeps the K - 1
+one document (GPT-2 BPE, end-of-text after it); empty or whitespace-only stories are skipped and
+counted in meta.json (skipped_empty_docs). --vocab_size=K (default 10000) keeps the K - 1
 most frequent training tokens plus <unk>; 0 keeps the full GPT-2 vocabulary. --out_dir=DIR writes
 somewhere other than data/tinystories/. See data/common.py for the format.
 """
@@ -59,7 +60,8 @@ def download():
 
 def read_txt(path):
     """Stories of a TinyStoriesV2 .txt file, split on <|endoftext|> (never encoded as text),
-    stripped, empty ones skipped. Reads READ_BYTES at a time."""
+    stripped; an empty story between two markers is yielded as "" (encode_documents skips and
+    counts it), whitespace after the last marker is not a story. Reads READ_BYTES at a time."""
     # a stray bad byte in a multi-GB download should not abort the run; it becomes U+FFFD
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     rest = ""
@@ -68,7 +70,7 @@ def read_txt(path):
             block = f.read(READ_BYTES)
             parts = (rest + decoder.decode(block, final=not block)).split(MARKER)
             rest = parts.pop()  # may hold a story (or a marker) cut by the block end
-            yield from (s.strip() for s in parts if s.strip())
+            yield from (s.strip() for s in parts)
             if not block:
                 break
     if rest.strip():
@@ -76,7 +78,8 @@ def read_txt(path):
 
 
 def read_jsonl(path):
-    """Stories (the `text` field) of a JSON Lines file; SystemExit on a malformed line."""
+    """Stories (the `text` field, stripped; null is "") of a JSON Lines file; SystemExit on a
+    malformed line."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -86,12 +89,12 @@ def read_jsonl(path):
             except (ValueError, KeyError, TypeError):
                 raise SystemExit(f"{path}:{lineno} is not a JSON object with a \"text\" field; "
                                  "expected JSON Lines, one {\"text\": ...} per line") from None
-            if text and text.strip():
-                yield text.strip()
+            yield (text or "").strip()
 
 
 def read_parquet(path):
-    """Stories (the `text` column) of a parquet file, read in row batches through pyarrow."""
+    """Stories (the `text` column, stripped; null is "") of a parquet file, read in row batches
+    through pyarrow."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -100,7 +103,7 @@ def read_parquet(path):
     if "text" not in pf.schema_arrow.names:
         raise SystemExit(f"{path} has no `text` column (columns: {pf.schema_arrow.names})")
     for batch in pf.iter_batches(batch_size=8192, columns=["text"]):
-        yield from (s.strip() for s in batch.column(0).to_pylist() if s and s.strip())
+        yield from ((s or "").strip() for s in batch.column(0).to_pylist())
 
 
 def read_stories(paths):
@@ -147,10 +150,12 @@ def main(argv=None):
     t0 = time.time()
     tmp = {split: os.path.join(args.out_dir, f"{split}.gpt2.tmp") for split in ("train", "val")}
     try:
-        doc_ends = common.encode_documents(read_stories(train_files), tmp["train"], desc="train")
+        doc_ends, skipped = common.encode_documents(read_stories(train_files), tmp["train"],
+                                                    desc="train")
         n_train = int(doc_ends[-1]) if len(doc_ends) else 0
         if val_files:
-            common.encode_documents(read_stories(val_files), tmp["val"], desc="val")
+            skipped += common.encode_documents(read_stories(val_files), tmp["val"],
+                                               desc="val").skipped
             splits = {"train": [(tmp["train"], 0, n_train)],
                       "val": [(tmp["val"], 0, os.path.getsize(tmp["val"]) // 2)]}
         else:
@@ -162,7 +167,7 @@ def main(argv=None):
             print(f"no validation file: the last {n_val:,} of {len(doc_ends):,} training stories "
                   "are the validation split")
             splits = {"train": [(tmp["train"], 0, cut)], "val": [(tmp["train"], cut, n_train)]}
-        meta = common.write_dataset(args.out_dir, splits, args.vocab_size, sources)
+        meta = common.write_dataset(args.out_dir, splits, args.vocab_size, sources, skipped)
     finally:
         for path in tmp.values():
             if os.path.exists(path):
