@@ -1,6 +1,7 @@
 """
 Shared data preparation: GPT-2 BPE tokenization, the compact vocabulary, train.bin / val.bin /
-meta.json. Used by the prepare scripts, and by train.py / sample.py through load_meta / decode:
+meta.json. Used by the prepare scripts, and by train.py / sample.py through load_meta, decode
+and encode_prompt:
 
     python data/text/prepare.py --name=austen --input=../shared/corpora/austen.txt
     python data/tinystories/prepare.py            # or --input=FILE ... for local files
@@ -34,6 +35,7 @@ from tqdm import tqdm
 
 GPT2_VOCAB_SIZE = 50257  # GPT-2 ids 0 .. 50256; every one fits in uint16
 GPT2_EOT = 50256         # <|endoftext|>
+EOT_TEXT = "<|endoftext|>"
 UNK_TEXT = "<unk>"
 DEFAULT_VOCAB_SIZE = 10000
 NUM_PROC = 2             # encoder processes (this project's CPU machines have 2 cores)
@@ -358,10 +360,34 @@ def load_meta(data_dir):
 def encode(text, meta):
     """Text -> list of compact ids under meta, as the prepare scripts encode a document: line
     endings normalized, GPT-2 BPE with "<|endoftext|>" as ordinary text (as it is in training
-    documents), unknown tokens -> unk_id."""
+    documents), unknown tokens -> unk_id. For prompts, use encode_prompt."""
     lut = lookup_table(meta["gpt2_ids"], meta["unk_id"])
     ids = get_encoder().encode_ordinary(normalize_newlines(text))
     return lut[np.asarray(ids, dtype=np.int64)].tolist()
+
+
+class Prompt(NamedTuple):
+    """What encode_prompt returns."""
+    ids: list        # compact ids (int)
+    unk_rate: float  # share of ids that are <unk>; 0.0 for an empty prompt or the full vocabulary
+
+
+def encode_prompt(text, meta):
+    """A prompt -> Prompt(ids, unk_rate).
+
+    Like encode, except that the text "<|endoftext|>" becomes the end-of-text id (meta["eot_id"];
+    50256 in the full GPT-2 vocabulary) instead of 7 ordinary tokens, so a prompt can start where
+    documents start, and decode(encode_prompt(t, meta).ids, meta) == t for any text t within the
+    vocabulary (decode prints the end-of-text id as that text). unk_rate lets a caller warn when
+    much of a prompt is outside the vocabulary and so reaches the model as <unk>.
+    """
+    lut = lookup_table(meta["gpt2_ids"], meta["unk_id"])
+    gpt2 = get_encoder().encode(normalize_newlines(text), allowed_special={EOT_TEXT},
+                                disallowed_special=())
+    ids = lut[np.asarray(gpt2, dtype=np.int64)]
+    unk = meta["unk_id"]
+    n_unk = 0 if unk is None else int(np.count_nonzero(ids == unk))
+    return Prompt(ids.tolist(), n_unk / len(ids) if len(ids) else 0.0)
 
 
 def decode(ids, meta):

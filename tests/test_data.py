@@ -433,3 +433,38 @@ def test_text_meta_records_no_skipped_documents(tmp_path):
     f.write_text(make_corpus())
     meta = text_prepare.main([f"--input={f}", "--vocab_size=50", f"--out_dir={tmp_path}"])
     assert meta["skipped_empty_docs"] == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# prompts
+
+@pytest.fixture(scope="module")
+def compact_meta(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("prompt")
+    f = tmp / "c.txt"
+    f.write_text("Once upon a time there was a cat.\n" * 30 + "Once the cat sat.\n" * 5)
+    return text_prepare.main([f"--input={f}", "--vocab_size=20", f"--out_dir={tmp}"])
+
+
+def test_encode_prompt_maps_the_end_of_text_literal_to_the_eot_id(compact_meta):
+    meta = compact_meta
+    ids, unk_rate = common.encode_prompt(EOT_TEXT + "Once", meta)
+    assert ids[0] == meta["eot_id"] and len(ids) == 2 and unk_rate == 0.0
+    for text in (EOT_TEXT + "Once upon a time", "Once the cat sat.\n" + EOT_TEXT + "Once",
+                 "Once upon a time"):
+        assert common.decode(common.encode_prompt(text, meta).ids, meta) == text
+    # training documents keep the literal as ordinary text, as before
+    assert meta["eot_id"] not in common.encode(EOT_TEXT + "Once", meta)
+    assert len(common.encode(EOT_TEXT, meta)) == 7
+
+
+def test_encode_prompt_full_vocab_and_unk_rate(compact_meta, enc):
+    full = {"gpt2_ids": list(range(common.GPT2_VOCAB_SIZE)), "unk_id": None,
+            "eot_id": common.GPT2_EOT}
+    p = common.encode_prompt(EOT_TEXT + "Zebras\r\n", full)
+    assert p.ids == [common.GPT2_EOT] + enc.encode_ordinary("Zebras\n") and p.unk_rate == 0.0
+    meta = compact_meta
+    p = common.encode_prompt("Once zebras quarrelled", meta)
+    n_unk = p.ids.count(meta["unk_id"])
+    assert n_unk > 0 and p.unk_rate == pytest.approx(n_unk / len(p.ids))
+    assert common.encode_prompt("", meta) == ([], 0.0)
