@@ -3,8 +3,8 @@ Shared data preparation: GPT-2 BPE tokenization, the compact vocabulary, train.b
 meta.json. Used by the prepare scripts, and by train.py / sample.py through load_meta, decode
 and encode_prompt:
 
-    python data/text/prepare.py --name=austen --input=../shared/corpora/austen.txt
-    python data/tinystories/prepare.py            # or --input=FILE ... for local files
+    python data/text/prepare.py --name=austen     # downloads; or --input=FILE ... for local files
+    python data/tinystories/prepare.py            # downloads; or --input=FILE ... for local files
 
 How a dataset is made (both scripts):
 1. Pass 1 encodes documents with GPT-2 BPE (tiktoken "gpt2", encode_ordinary, 2 worker
@@ -351,8 +351,8 @@ def load_meta(data_dir):
     path = os.path.join(data_dir, "meta.json")
     if not os.path.isfile(path):
         raise SystemExit(f"{path} not found: prepare the dataset first, e.g.\n"
-                         "  python data/text/prepare.py --name=austen "
-                         "--input=../shared/corpora/austen.txt")
+                         "  python data/text/prepare.py --name=austen   "
+                         "# downloads; or add --input=FILE for a local file")
     with open(path) as f:
         return json.load(f)
 

@@ -5,10 +5,15 @@
 
 import importlib.util
 import json
+import io
 import os
+import shutil
 import subprocess
 import sys
 import types
+import urllib.error
+import urllib.request
+import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -468,3 +473,124 @@ def test_encode_prompt_full_vocab_and_unk_rate(compact_meta, enc):
     n_unk = p.ids.count(meta["unk_id"])
     assert n_unk > 0 and p.unk_rate == pytest.approx(n_unk / len(p.ids))
     assert common.encode_prompt("", meta) == ([], 0.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# downloads: data/text/prepare.py --name=austen without --input
+
+def gutenberg_page(title, body, old_style=False):
+    """A Project Gutenberg plain-text file as served: BOM, CRLF, header, licence."""
+    this = "THIS" if old_style else "THE"
+    closing = f"\nEnd of the Project Gutenberg EBook of {title}\n\n" if old_style else ""
+    page = (f"\ufeffThe Project Gutenberg eBook of {title}\n\nThis ebook is for the use of anyone "
+            f"anywhere in the United States.\n\nTitle: {title}\n\n"
+            f"*** START OF {this} PROJECT GUTENBERG EBOOK {title.upper()} ***\n\n\n"
+            f"{body}\n{closing}\n*** END OF {this} PROJECT GUTENBERG EBOOK {title.upper()} ***\n\n"
+            "Section 1. General Terms of Use and Redistributing Project Gutenberg electronic "
+            "works\n")
+    return page.replace("\n", "\r\n").encode("utf-8")
+
+
+@pytest.fixture
+def fake_gutenberg(tmp_path, monkeypatch):
+    """urllib.request.urlopen serving small fake Gutenberg files for PUBLIC_CORPORA['austen'];
+    downloads go under tmp_path. Returns (bodies by url, list of fetched urls)."""
+    monkeypatch.setattr(common, "DATA_DIR", str(tmp_path))
+    corpus = text_prepare.PUBLIC_CORPORA["austen"]
+    bodies = {url: make_corpus(40, seed=i).strip() + "\n" for i, (_, url) in enumerate(corpus)}
+    pages = {url: gutenberg_page(title, bodies[url], old_style=i % 2 == 1)
+             for i, (title, url) in enumerate(corpus)}
+    fetched = []
+
+    def urlopen(request, timeout=None):
+        fetched.append(request.full_url)
+        assert timeout and request.get_header("User-agent")
+        return io.BytesIO(pages[request.full_url])
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    return bodies, fetched
+
+
+def test_text_downloads_austen_strips_gutenberg_and_reuses_the_files(tmp_path, monkeypatch,
+                                                                     fake_gutenberg):
+    bodies, fetched = fake_gutenberg
+    urls = [url for _, url in text_prepare.PUBLIC_CORPORA["austen"]]
+    assert len(urls) == 6 and all(u.startswith("https://www.gutenberg.org/") for u in urls)
+    meta = text_prepare.main(["--name=austen", "--vocab_size=0"])
+    assert fetched == urls and meta["sources"] == urls
+    assert common.load_meta(tmp_path / "austen") == meta
+    for url in urls:  # the kept files hold the text only, with "\n" line endings
+        kept = tmp_path / "downloads" / "austen" / url.rsplit("/", 1)[1]
+        assert kept.read_bytes().decode() == bodies[url]
+    for split, i in (("train", 0), ("val", 1)):  # one document per novel
+        docs = common.decode(read_bin(tmp_path / "austen" / f"{split}.bin"), meta).split(EOT_TEXT)
+        assert docs[:-1] == [text_prepare.split_at_line(bodies[u])[i] for u in urls]
+        assert "Gutenberg" not in "".join(docs) and "\r" not in "".join(docs)
+
+    def offline(*args, **kwargs):
+        raise AssertionError("downloaded again")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    assert text_prepare.main(["--name=austen", "--vocab_size=0"]) == meta
+
+
+def test_text_download_offline_says_how_to_pass_local_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "DATA_DIR", str(tmp_path))
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError(OSError(-3, "Temporary failure in name resolution"))
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    with pytest.raises(SystemExit) as e:
+        text_prepare.main(["--name=austen"])
+    msg = str(e.value)
+    assert msg.startswith("cannot download https://www.gutenberg.org/") and "\n" not in msg
+    assert msg.endswith("offline? pass local files: "
+                        "python data/text/prepare.py --name=austen --input=PATH/TO/austen.txt")
+    assert not (tmp_path / "austen").exists() and not list(tmp_path.glob("downloads/*/*"))
+
+    # --input works as before, with no download
+    f = tmp_path / "austen.txt"
+    f.write_text(make_corpus())
+    meta = text_prepare.main(["--name=austen", f"--input={f}"])
+    assert meta["sources"] == [str(f)] and (tmp_path / "austen" / "train.bin").is_file()
+
+
+def test_strip_gutenberg_needs_both_marker_lines():
+    body = "It is a truth universally acknowledged.\n\nThe end.\n"
+    page = gutenberg_page("Pride and Prejudice", body).decode("utf-8-sig").replace("\r\n", "\n")
+    assert text_prepare.strip_gutenberg(page, "x") == body
+    for marker in ("*** START OF", "*** END OF"):
+        with pytest.raises(SystemExit, match="Project Gutenberg"):
+            text_prepare.strip_gutenberg(page.replace(marker, "START"), "x")
+
+
+def test_text_unknown_name_without_input_names_the_downloadable_ones(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "DATA_DIR", str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        text_prepare.main(["--name=nosuchcorpus"])
+    assert "--input" in str(e.value) and "austen" in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# paths: the scripts write into the repository's data/ folder from any working directory
+
+def test_text_default_out_dir_is_the_repos_data_folder_from_another_cwd(tmp_path):
+    name = f"_test_cwd_{uuid.uuid4().hex[:12]}"
+    out = REPO / "data" / name
+    (tmp_path / "c.txt").write_text(make_corpus())
+    env = dict(os.environ)
+    if SHARED_CACHE.is_dir():
+        env.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED_CACHE))
+    try:
+        r = subprocess.run([sys.executable, str(REPO / "data" / "text" / "prepare.py"),
+                            f"--name={name}", "--input=c.txt", "--vocab_size=100"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert {p.name for p in out.iterdir()} == {"train.bin", "val.bin", "meta.json"}
+        assert json.loads((out / "meta.json").read_text())["sources"] == ["c.txt"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]  # nothing written here
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    assert Path(common.DATA_DIR) == REPO / "data"
+    assert Path(ts_prepare.OUT_DIR) == REPO / "data" / "tinystories"

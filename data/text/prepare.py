@@ -1,27 +1,105 @@
 """
-Prepare any local plain-text corpus (UTF-8) as data/NAME/{train.bin,val.bin,meta.json}:
+Prepare a plain-text corpus (UTF-8) as data/NAME/{train.bin,val.bin,meta.json}:
 
-    python data/text/prepare.py --name=austen --input=../shared/corpora/austen.txt
-    python data/text/prepare.py --name=kjv --input=../shared/corpora/kjv.txt
+    python data/text/prepare.py --name=austen     # downloads Jane Austen's six novels
+    python data/text/prepare.py --name=austen --input=austen.txt   # a local file, no network
+    python data/text/prepare.py --name=kjv --input=kjv.txt
     python data/text/prepare.py --name=mix --input=a.txt --input=b.txt --vocab_size=0
 
 Each input file is one document (GPT-2 BPE, end-of-text after it). Its last 5 % of characters,
 cut at a line break, goes to the validation split, the rest to training, so the two never
-overlap. Line endings are normalized to "\\n". --vocab_size=K (default 10000) keeps the K - 1 most frequent training tokens plus
-<unk>; 0 keeps the full GPT-2 vocabulary. --out_dir=DIR writes somewhere other than data/NAME/.
-See data/common.py for the format.
+overlap. Line endings are normalized to "\\n". --vocab_size=K (default 10000) keeps the K - 1
+most frequent training tokens plus <unk>; 0 keeps the full GPT-2 vocabulary. --out_dir=DIR
+writes somewhere other than data/NAME/. See data/common.py for the format.
+
+Without --input, a NAME in PUBLIC_CORPORA is downloaded (urllib, once: the files are kept in
+data/downloads/NAME/ and reused): "austen" is the six novels from Project Gutenberg, each with
+Gutenberg's header and licence removed (the text between the "*** START OF" and "*** END OF"
+lines), each novel one document, so the validation split is the last 5 % of every novel.
 """
 
 import argparse
 import os
+import re
 import sys
 import time
+import urllib.parse
+import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # data/
 import common  # noqa: E402
 
 VAL_FRACTION = 0.05
 USAGE = "Use: python data/text/prepare.py --name=NAME --input=FILE [--input=FILE ...]"
+
+GUTENBERG = "https://www.gutenberg.org/cache/epub/{0}/pg{0}.txt"
+# The corpora `--name=NAME` downloads when no --input is given: NAME -> [(title, url)], each url
+# one document, in this order. "austen": Jane Austen's six novels in order of publication, by
+# Project Gutenberg ebook number (plain-text UTF-8 files).
+PUBLIC_CORPORA = {
+    "austen": [(title, GUTENBERG.format(number)) for title, number in (
+        ("Sense and Sensibility", 161), ("Pride and Prejudice", 1342), ("Mansfield Park", 141),
+        ("Emma", 158), ("Northanger Abbey", 121), ("Persuasion", 105))],
+}
+USER_AGENT = "tapernorm-data-prepare (Python urllib)"
+TIMEOUT_S = 60
+# Project Gutenberg's own lines around the text of an ebook; what is outside them is its header and
+# licence. Older files also close the text with an "End of the Project Gutenberg EBook of ..." line.
+_GUTENBERG_START = re.compile(r"^\*\*\*\s*START OF[^\n]*PROJECT GUTENBERG[^\n]*$", re.M | re.I)
+_GUTENBERG_END = re.compile(r"^\*\*\*\s*END OF[^\n]*PROJECT GUTENBERG[^\n]*$", re.M | re.I)
+_GUTENBERG_END_LINE = re.compile(r"\n\s*End of (?:the )?Project Gutenberg[^\n]*\s*$", re.I)
+
+
+def offline_help(name):
+    return f"pass local files: python data/text/prepare.py --name={name} --input=PATH/TO/{name}.txt"
+
+
+def fetch(url, name):
+    """The bytes at url, through urllib. SystemExit, one line, if the download fails: it names
+    the url and the reason and says how to pass local files instead."""
+    request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            return response.read()
+    except Exception as e:  # offline, DNS, HTTP errors, timeouts: all mean "use local files"
+        reason = " ".join(f"{type(e).__name__}: {e}".split())
+        raise SystemExit(f"cannot download {url} ({reason}): offline? {offline_help(name)}") \
+            from None
+
+
+def strip_gutenberg(text, source):
+    """The text of a Project Gutenberg plain-text ebook without Gutenberg's header and licence:
+    what lies between the "*** START OF ... PROJECT GUTENBERG ..." and "*** END OF ..." lines,
+    stripped, ending in one "\\n". SystemExit if either line is missing."""
+    start = _GUTENBERG_START.search(text)
+    end = _GUTENBERG_END.search(text, start.end()) if start else None
+    if end is None:
+        raise SystemExit(f"{source} has no '*** START OF ... PROJECT GUTENBERG' line followed by "
+                         "an '*** END OF ...' line: not a Project Gutenberg plain-text ebook?")
+    return _GUTENBERG_END_LINE.sub("", text[start.end():end.start()]).strip() + "\n"
+
+
+def download_corpus(name):
+    """Local paths of the files of PUBLIC_CORPORA[name], downloading the ones not yet in
+    data/downloads/NAME/ (each kept as its text only: Gutenberg's header and licence removed,
+    line endings "\\n"; written under a temporary name and renamed, so a failed download leaves
+    nothing behind). A second run reads them from there and does not download again."""
+    folder = os.path.join(common.DATA_DIR, "downloads", name)
+    paths = []
+    for title, url in PUBLIC_CORPORA[name]:
+        path = os.path.join(folder, os.path.basename(urllib.parse.urlparse(url).path))
+        if os.path.isfile(path):
+            print(f"{title}: {path} (downloaded before)")
+        else:
+            print(f"{title}: downloading {url}")
+            raw = fetch(url, name).decode("utf-8-sig", errors="replace")
+            text = strip_gutenberg(common.normalize_newlines(raw), url)
+            os.makedirs(folder, exist_ok=True)
+            with open(path + ".tmp", "w", encoding="utf-8", newline="") as f:
+                f.write(text)
+            os.replace(path + ".tmp", path)
+        paths.append(path)
+    return paths
 
 
 def split_at_line(text, val_fraction=VAL_FRACTION):
@@ -51,13 +129,20 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--name", help="dataset name; output goes to data/NAME/")
-    parser.add_argument("--input", action="append", default=[], help="a text file (repeatable)")
+    parser.add_argument("--input", action="append", default=[],
+                        help="a text file (repeatable); default for a NAME in PUBLIC_CORPORA "
+                             "(austen): download it")
     parser.add_argument("--vocab_size", type=int, default=common.DEFAULT_VOCAB_SIZE,
                         help="compact vocabulary size incl. <unk>; 0 = full GPT-2 (50257)")
     parser.add_argument("--out_dir", help="output folder (default: data/NAME/)")
     args = parser.parse_args(argv)
 
-    common.check_inputs(args.input, USAGE)
+    if args.input:
+        common.check_inputs(args.input, USAGE)
+        paths = sources = args.input
+    elif args.name not in PUBLIC_CORPORA:
+        common.check_inputs([], f"{USAGE}\n(Without --input, --name={'|'.join(PUBLIC_CORPORA)} "
+                                "downloads a public corpus.)")
     common.check_vocab_size(args.vocab_size)
     if args.out_dir:
         out_dir = args.out_dir
@@ -66,6 +151,9 @@ def main(argv=None):
     else:
         raise SystemExit(f"--name=NAME is required (a folder name, no '/'; got {args.name!r}). "
                          f"{USAGE}")
+    if not args.input:
+        paths = download_corpus(args.name)
+        sources = [url for _, url in PUBLIC_CORPORA[args.name]]
     os.makedirs(out_dir, exist_ok=True)
 
     t0 = time.time()
@@ -73,11 +161,11 @@ def main(argv=None):
     try:
         # the files are read twice (once per split) rather than kept: a corpus may be large
         for i, split in enumerate(("train", "val")):
-            docs = (read_split(path)[i] for path in args.input)
+            docs = (read_split(path)[i] for path in paths)
             common.encode_documents(docs, tmp[split], desc=split)
         splits = {split: [(tmp[split], 0, os.path.getsize(tmp[split]) // 2)]
                   for split in ("train", "val")}
-        meta = common.write_dataset(out_dir, splits, args.vocab_size, args.input)
+        meta = common.write_dataset(out_dir, splits, args.vocab_size, sources)
     finally:
         for path in tmp.values():
             if os.path.exists(path):
