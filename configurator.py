@@ -76,6 +76,7 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',)):
     """
     choices = choices or {}
     cfg = dict(defaults)
+    overlay = None  # the first overlay file given (it sets `_overlay = True`): a base file after it would undo it
     for arg in args:
         if arg.startswith('--'):
             key, eq, text = arg[2:].partition('=')
@@ -102,6 +103,11 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',)):
             namespace = dict(cfg, __file__=os.path.abspath(arg))
             with open(arg) as f:
                 exec(builtins.compile(f.read(), arg, 'exec'), namespace)
+            if namespace.get('_overlay'):
+                overlay = overlay or arg
+            elif overlay:
+                raise ConfigError(f"{arg} comes after the overlay {overlay} and would undo it: give base "
+                                  f"configs first, overlays last ({arg} {overlay})")
             for key, value in namespace.items():
                 if key.startswith('_') or isinstance(value, ModuleType) or callable(value):
                     continue
@@ -133,6 +139,17 @@ def configure(argv, module_globals, choices=None, validate=None):
     except ConfigError as e:
         raise SystemExit(f"config error: {e}")
     return SimpleNamespace(**cfg)
+
+
+def check_compiler(device):
+    """SystemExit with one line unless torch.compile works here (inductor needs a C++ compiler
+    on the CPU, Triton on CUDA): compiles a one-line function once, a second or two."""
+    try:
+        torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(2, device=device))
+    except Exception as e:  # inductor raises many kinds; the first line of its message says which
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise SystemExit(f"config error: torch.compile does not work on {device} here ({first[:200]}); "
+                         "a working C++ compiler (g++ or $CXX) is needed; --compile=False runs without it") from None
 
 
 def resolve_device(device, dtype='auto'):

@@ -23,7 +23,9 @@ taper='none' is the RMSNorm/LayerNorm baseline; its phase is logged as 'baseline
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -31,15 +33,23 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from configurator import ConfigError, configure, resolve_device
-from model import GPT, GPTConfig, save_checkpoint
+try:
+    import fcntl  # the out_dir lock; Unix only
+except ImportError:
+    fcntl = None
+
+from configurator import ConfigError, check_compiler, configure, defaults_of, parse_args, resolve_device
+from model import GPT, GPTConfig, load_checkpoint, save_checkpoint
+
+REPO = os.path.dirname(os.path.abspath(__file__))
 
 # -----------------------------------------------------------------------------
 # data
 dataset = 'tinystories'     # reads data_dir/dataset/{train.bin,val.bin,meta.json}
 data_dir = 'data'           # datasets live in data_dir/NAME (relative paths: to the repository)
 out_dir = 'out'             # checkpoint and log.jsonl; may name other keys: 'out-{dataset}-{taper}'
-init_from = 'scratch'       # 'scratch' | 'resume' (out_dir/ckpt.pt)
+init_from = 'scratch'       # 'scratch' | 'resume': continue out_dir/ckpt.pt with the configuration stored in it
+overwrite = False           # a scratch run into an out_dir that holds a run: True deletes its ckpt.pt and log.jsonl
 # system
 device = 'auto'             # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
 dtype = 'auto'              # 'auto' (bfloat16 autocast where supported, else float32) | 'float32' | 'bfloat16'
@@ -85,6 +95,9 @@ log_interval = 10           # a log.jsonl record every this many steps
 
 CHOICES = dict(compile=('auto', True, False), init_from=('scratch', 'resume'), calibration=('end', 'ema'),
                dtype=('auto', 'float32', 'bfloat16'), backend=('auto', 'nccl', 'gloo'))
+# keys a resumed run may change: they cannot change its result (where it runs, how often it logs)
+RESUME_FREE = ('init_from', 'overwrite', 'out_dir', 'data_dir', 'device', 'compile', 'backend', 'eval_interval',
+               'log_interval')
 MODEL_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout', 'norm', 'norm_eps',
               'taper', 'aux_weight')  # GPTConfig's fields set here (vocab_size comes from the dataset)
 
@@ -123,6 +136,30 @@ def load_config(argv):
     return configure(argv, globals(), CHOICES, validate)
 
 
+def resume_config(argv, given):
+    """For --init_from=resume: (configuration, checkpoint). The configuration is the one stored
+    in out_dir/ckpt.pt, with argv's config files and overrides applied on top; keys outside
+    RESUME_FREE must keep their stored values, else SystemExit listing every difference."""
+    path = os.path.join(given.out_dir, 'ckpt.pt')
+    if not os.path.exists(path):
+        raise SystemExit(f"--init_from=resume: {path} not found; train from scratch first "
+                         "or point --out_dir at the run to continue")
+    ckpt = load_checkpoint(path, 'cpu')
+    # a checkpoint from before the calibration key calibrated with the warmup's EMA
+    stored = {**defaults_of(globals()), 'calibration': 'ema', **ckpt['config']}
+    try:
+        cfg = parse_args(argv, stored, CHOICES)
+        validate(cfg)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}")
+    diff = [f"{k}={cfg[k]!r} (stored: {stored[k]!r})" for k in cfg if k not in RESUME_FREE and cfg[k] != stored[k]]
+    if diff:
+        raise SystemExit(f"--init_from=resume: {', '.join(diff)} would change the run in {given.out_dir}; "
+                         f"leave them out to continue it as it was (python train.py --init_from=resume "
+                         f"--out_dir={given.out_dir}), or start a new run in another --out_dir")
+    return SimpleNamespace(**cfg), ckpt
+
+
 # ---- the schedule: pure functions of the iteration (docs/method.md §2) -------------------
 
 def get_phase(it, taper, gate_warmup_iters, taper_iters):
@@ -156,6 +193,10 @@ def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters):
 
 def prepare_command(dataset):
     """The command that prepares `dataset`, for error messages."""
+    name, ext = os.path.splitext(os.path.basename(dataset))
+    if ext:  # --dataset=austen.txt: a file where a dataset name belongs
+        return (f"python data/text/prepare.py --name={name} --input={dataset}   "
+                f"(then --dataset={name}: --dataset names a prepared folder, not a text file)")
     if dataset == 'tinystories':
         return 'python data/tinystories/prepare.py'
     corpus = os.path.join('..', 'shared', 'corpora', f'{dataset}.txt')
@@ -164,11 +205,11 @@ def prepare_command(dataset):
 
 
 def find_dataset(cfg, may_prepare):
-    """Return (dataset folder, meta dict); prepare TinyStories when it is missing.
-
-    Raises SystemExit with the exact prepare command when the data is missing.
+    """Return (dataset folder, meta dict) after check_dataset; prepare TinyStories when it is
+    missing. A relative data_dir is relative to the repository (where prepare.py writes), not
+    to the working folder. SystemExit with the exact prepare command when the data is missing.
     """
-    folder = os.path.join(cfg.data_dir, cfg.dataset)
+    folder = os.path.join(REPO, cfg.data_dir, cfg.dataset)
     if not os.path.exists(os.path.join(folder, 'train.bin')) and cfg.dataset == 'tinystories' and may_prepare:
         from data.tinystories import prepare as tinystories  # downloads; offline it says how to pass files
         print(f"{folder}/train.bin not found: preparing TinyStories first")
@@ -177,8 +218,37 @@ def find_dataset(cfg, may_prepare):
         if not os.path.exists(os.path.join(folder, name)):
             raise SystemExit(f"{os.path.join(folder, name)} not found. Prepare the dataset first:\n"
                              f"    {prepare_command(cfg.dataset)}")
-    with open(os.path.join(folder, 'meta.json')) as f:
-        return folder, json.load(f)
+    return folder, check_dataset(folder, cfg.block_size, prepare_command(cfg.dataset))
+
+
+def check_dataset(folder, block_size, fix):
+    """meta.json of a dataset folder after checking it and both .bin files: readable JSON with
+    an integer vocab_size, a whole number of uint16 tokens, more than block_size + 1 of them,
+    every id below vocab_size. SystemExit naming the file and the fix otherwise."""
+    path = os.path.join(folder, 'meta.json')
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+        vocab_size = meta['vocab_size']
+        assert isinstance(vocab_size, int) and vocab_size > 0
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        raise SystemExit(f"{path} is not a readable dataset description (JSON with vocab_size); "
+                         f"prepare the dataset again: {fix}") from None
+    for split in ('train', 'val'):
+        path = os.path.join(folder, f'{split}.bin')
+        size = os.path.getsize(path)
+        if size % 2:
+            raise SystemExit(f"{path} holds {size} bytes, not a whole number of uint16 tokens (truncated?); "
+                             f"prepare the dataset again: {fix}")
+        if size // 2 <= block_size + 1:
+            raise SystemExit(f"{path} has {size // 2} tokens, not more than block_size + 1 = {block_size + 1}; "
+                             f"use a smaller --block_size or more data")
+        data = np.memmap(path, dtype=np.uint16, mode='r')
+        top = max(int(data[i:i + (1 << 24)].max()) for i in range(0, len(data), 1 << 24))
+        if top >= vocab_size:
+            raise SystemExit(f"{path} holds token id {top}, outside meta.json's vocab_size {vocab_size} "
+                             f"(files from two preparations?); prepare the dataset again: {fix}")
+    return meta
 
 
 def batch_rng(seed, *stream):
@@ -201,9 +271,6 @@ def get_batch(folder, split, rng, batch_size, block_size, device):
     """Random windows of one split: x, y of shape (B, T), y shifted by one token."""
     # re-open the memmap per batch: a long-lived np.memmap grows the resident memory
     data = np.memmap(os.path.join(folder, f'{split}.bin'), dtype=np.uint16, mode='r')
-    if len(data) <= block_size:
-        raise SystemExit(f"{folder}/{split}.bin has {len(data)} tokens, fewer than block_size+1 "
-                         f"= {block_size + 1}; use a smaller --block_size or more data")
     return windows(data, rng.integers(len(data) - block_size, size=batch_size), block_size, device)
 
 
@@ -377,35 +444,91 @@ def log(record, cfg, env):
               f"{cfg.block_size}), final_train_loss {r['final_train_loss']:.4f} (as many train windows)")
 
 
+# ---- the run folder: one run per out_dir, and stopping on a signal -----------------------
+
+def claim_out_dir(cfg, iter_num):
+    """Make out_dir this process's run before anything is written to it. Returns the open lock
+    file (keep it open: the lock lasts as long as this process, so a run killed with kill -9
+    leaves nothing that blocks its resume). SystemExit when another train.py holds out_dir, or
+    a scratch run meets a used out_dir without --overwrite=True. On resume the log keeps only
+    the records before iter_num, so it reads as one uninterrupted run."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    lock = open(os.path.join(cfg.out_dir, '.lock'), 'a')
+    if fcntl is not None:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SystemExit(f"{cfg.out_dir} is in use by another train.py run; wait for it to end "
+                             "or choose another --out_dir") from None
+    log_path = os.path.join(cfg.out_dir, 'log.jsonl')
+    used = [p for p in (os.path.join(cfg.out_dir, 'ckpt.pt'), log_path) if os.path.exists(p)]
+    if cfg.init_from == 'scratch' and used:
+        if not cfg.overwrite:
+            raise SystemExit(f"{cfg.out_dir} already holds a run ({', '.join(map(os.path.basename, used))}): "
+                             f"continue it with --init_from=resume, choose another --out_dir, or replace "
+                             f"it with --overwrite=True")
+        for path in used:
+            os.remove(path)
+    if cfg.init_from == 'resume' and os.path.exists(log_path):
+        with open(log_path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)['iter'] < iter_num]
+        with open(log_path + '.tmp', 'w') as f:
+            f.writelines(kept)
+        os.replace(log_path + '.tmp', log_path)
+    return lock
+
+
+class StopSignal:
+    """A context in which SIGINT / SIGTERM (Ctrl-C, `timeout`, a batch scheduler) ask the loop to
+    stop after the step in progress (`received`); a second one stops at once."""
+
+    def __enter__(self):
+        self.received, self.previous = None, {}
+        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+            self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def handle(self, signum, frame):
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def requested(self, env):
+        """True when a signal came to any rank (so every rank stops at the same step)."""
+        if not env.ddp:
+            return self.received is not None
+        flag = torch.tensor(float(self.received is not None), device=env.dev)
+        torch.distributed.all_reduce(flag)
+        return flag.item() > 0
+
+
 # ---- main -------------------------------------------------------------------------------
 
 def main(argv):
     """Train with the configuration given by argv (see load_config); returns the trained model."""
     cfg = load_config(argv)
+    ckpt = None
+    if cfg.init_from == 'resume':
+        cfg, ckpt = resume_config(argv, cfg)
     env = setup(cfg)
+    if env.compile:
+        check_compiler(env.dev)
     tokens_per_iter = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps * env.world
     folder, meta = find_dataset(cfg, may_prepare=not env.ddp)
-    if env.master:
-        os.makedirs(cfg.out_dir, exist_ok=True)
+    model_args = {k: getattr(cfg, k) for k in MODEL_KEYS}
+    model_args['vocab_size'] = meta['vocab_size']
+    if ckpt is not None and ckpt['model_args'] != model_args:
+        raise SystemExit(f"--init_from=resume: the dataset {folder} has vocab_size {meta['vocab_size']}, "
+                         f"the checkpoint's model {ckpt['model_args']['vocab_size']}: resume on the run's data")
+    iter_num = ckpt['iter_num'] if ckpt is not None else 0
+    lock = claim_out_dir(cfg, iter_num) if env.master else None  # noqa: F841 (held until the process ends)
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
 
     # ---- model and optimizer, from scratch or from the checkpoint ----
-    model_args = {k: getattr(cfg, k) for k in MODEL_KEYS}
-    model_args['vocab_size'] = meta['vocab_size']
-    ckpt = None
-    if cfg.init_from == 'resume':
-        if not os.path.exists(ckpt_path):
-            raise SystemExit(f"--init_from=resume: {ckpt_path} not found; train from scratch first "
-                             "or point --out_dir at the run to continue")
-        ckpt = torch.load(ckpt_path, map_location=env.dev, weights_only=True)
-        for key in MODEL_KEYS + ('vocab_size',):
-            if ckpt['model_args'][key] != model_args[key]:
-                raise SystemExit(f"--init_from=resume: {key}={model_args[key]!r} differs from the "
-                                 f"checkpoint's {ckpt['model_args'][key]!r}; use the run's config")
-        for key in ('gate_warmup_iters', 'taper_iters', 'seed'):
-            if ckpt['config'][key] != getattr(cfg, key):
-                raise SystemExit(f"--init_from=resume: {key}={getattr(cfg, key)!r} differs from the "
-                                 f"checkpoint's {ckpt['config'][key]!r}; the schedule must not change")
     torch.manual_seed(cfg.seed)  # the initial weights
     raw_model = GPT(GPTConfig(**model_args))
     if ckpt is not None:
@@ -415,9 +538,8 @@ def main(argv):
                                                env.device_type)
     if ckpt is not None:
         optimizer.load_state_dict(ckpt['optimizer'])
-    iter_num = ckpt['iter_num'] if ckpt is not None else 0
-    if ckpt is not None and env.master:
-        print(f"resuming {ckpt_path} at iteration {iter_num}")
+        if env.master:
+            print(f"resuming {ckpt_path} at iteration {iter_num}")
     del ckpt
     fwd_model = torch.compile(raw_model) if env.compile else raw_model
 
@@ -436,41 +558,49 @@ def main(argv):
     schedule = (cfg.taper, cfg.gate_warmup_iters, cfg.taper_iters)
     train_model = None
     fwd_model.train()
-    while iter_num < cfg.max_iters:
-        it = iter_num
-        phase, gate = get_phase(it, *schedule), get_gate(it, *schedule)
-        lr = get_lr(it, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters)
-        if train_model is None or phase != raw_model.phase:
-            raw_model.set_phase(phase)  # the compiled model recompiles once, here
-            raw_model.set_collect('calibration' if phase == 'warmup' and cfg.calibration == 'ema' else None)
-            train_model = wrap_ddp(fwd_model, env)  # DDP must see the parameters this phase trains
-        raw_model.set_gate(gate)  # in place: no recompile
-        for group in optimizer.param_groups:
-            group['lr'] = lr
+    with StopSignal() as stop:
+        while iter_num < cfg.max_iters:
+            it = iter_num
+            phase, gate = get_phase(it, *schedule), get_gate(it, *schedule)
+            lr = get_lr(it, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters)
+            if train_model is None or phase != raw_model.phase:
+                raw_model.set_phase(phase)  # the compiled model recompiles once, here
+                raw_model.set_collect('calibration' if phase == 'warmup' and cfg.calibration == 'ema' else None)
+                train_model = wrap_ddp(fwd_model, env)  # DDP must see the parameters this phase trains
+            raw_model.set_gate(gate)  # in place: no recompile
+            for group in optimizer.param_groups:
+                group['lr'] = lr
 
-        record = {}
-        if it % cfg.eval_interval == 0 and env.master:
-            record['val_loss'] = estimate_val_loss(fwd_model, raw_model, folder, cfg, env)
-            checkpoint(it)
+            record = {}
+            if it % cfg.eval_interval == 0 and env.master:
+                record['val_loss'] = estimate_val_loss(fwd_model, raw_model, folder, cfg, env)
+                checkpoint(it)
 
-        t0 = time.perf_counter()
-        stats = train_step(train_model, raw_model, optimizer, folder, cfg, env, it)
-        if phase == 'warmup' and cfg.calibration == 'ema':
-            raw_model.calibration_step()
-        if env.device_type == 'cuda':
-            torch.cuda.synchronize()
-        dt_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            stats = train_step(train_model, raw_model, optimizer, folder, cfg, env, it)
+            if phase == 'warmup' and cfg.calibration == 'ema':
+                raw_model.calibration_step()
+            if env.device_type == 'cuda':
+                torch.cuda.synchronize()
+            dt_s = time.perf_counter() - t0
 
-        if it % cfg.log_interval == 0 or record:
-            scale = raw_model.last_metrics.final_scale_rms
-            log(dict(iter=it, phase=phase, gate=gate, lr=lr, **{k: stats[k] for k in stats if k != 'grad_norm'},
-                     **record, **({'final_scale_rms': scale.item()} if scale is not None else {}),
-                     grad_norm=stats['grad_norm'], step_ms=1000 * dt_s, tokens_per_s=tokens_per_iter / dt_s),
-                cfg, env)
-        if phase == 'warmup' and it == cfg.gate_warmup_iters - 1:
-            log({'event': 'calibrate', 'iter': it, **calibrate_event(fwd_model, raw_model, folder, cfg, env)},
-                cfg, env)
-        iter_num += 1
+            if it % cfg.log_interval == 0 or record:
+                scale = raw_model.last_metrics.final_scale_rms
+                log(dict(iter=it, phase=phase, gate=gate, lr=lr, **{k: stats[k] for k in stats if k != 'grad_norm'},
+                         **record, **({'final_scale_rms': scale.item()} if scale is not None else {}),
+                         grad_norm=stats['grad_norm'], step_ms=1000 * dt_s, tokens_per_s=tokens_per_iter / dt_s),
+                    cfg, env)
+            if phase == 'warmup' and it == cfg.gate_warmup_iters - 1:
+                log({'event': 'calibrate', 'iter': it, **calibrate_event(fwd_model, raw_model, folder, cfg, env)},
+                    cfg, env)
+            iter_num += 1
+            if stop.requested(env):  # Ctrl-C / SIGTERM: keep every finished step
+                checkpoint(iter_num)
+                if env.master:
+                    print(f"stopped by {signal.Signals(stop.received or signal.SIGTERM).name} after iteration "
+                          f"{it}: {ckpt_path} holds iteration {iter_num}; continue with: python train.py "
+                          f"--init_from=resume --out_dir={cfg.out_dir}", file=sys.stderr)
+                raise SystemExit(130 if stop.received == signal.SIGINT else 143)
 
     # the state after the last step belongs to iteration max_iters: linear, g = 0 when tapering
     raw_model.set_phase(get_phase(iter_num, *schedule))

@@ -219,13 +219,16 @@ def test_missing_dataset_names_the_prepare_command(tmp_path):
         train.main([f'--data_dir={tmp_path}', '--dataset=austen', '--device=cpu'])
 
 
-def test_resume_refuses_a_changed_schedule(toy_data, tmp_path):
+def test_resume_uses_the_stored_config_and_lists_every_difference(toy_data, tmp_path):
     out = tmp_path / 'run'
     train.main(toy_args(toy_data, out, max_iters=12))
-    with pytest.raises(SystemExit, match='gate_warmup_iters=3 differs'):
-        train.main(toy_args(toy_data, out, max_iters=12, init_from='resume', gate_warmup_iters=3))
+    with pytest.raises(SystemExit, match=r"gate_warmup_iters=3 \(stored: 4\), .*batch_size=2 \(stored: 4\)"):
+        train.main(toy_args(toy_data, out, max_iters=12, init_from='resume', gate_warmup_iters=3, batch_size=2))
     with pytest.raises(SystemExit, match='resume: .*ckpt.pt not found'):
         train.main(toy_args(toy_data, tmp_path / 'none', init_from='resume'))
+    # keys that cannot change the result may differ; nothing else needs to be given
+    model = train.main([f'--out_dir={out}', '--init_from=resume', '--log_interval=5', '--eval_interval=7'])
+    assert model.config.n_embd == 32 and model.phase == 'linear'
 
 
 def test_main_command_prepares_tinystories_when_missing(tmp_path, monkeypatch):

@@ -1,0 +1,200 @@
+"""Runs a user can trust (issue 10): one run per out_dir, resume as one uninterrupted run,
+signals, bad data and bad input that end in one line instead of a traceback."""
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import configurator
+import train
+from model import load_checkpoint
+from test_train import read_log, toy_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMING = {'step_ms', 'tokens_per_s'}
+
+
+def without_timing(records):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
+
+# ---- one run per out_dir ------------------------------------------------------------------
+
+def test_a_scratch_run_refuses_a_used_out_dir_and_overwrite_replaces_it(toy_data, tmp_path):
+    out = tmp_path / 'run'
+    train.main(toy_args(toy_data, out, max_iters=12))
+    before = (out / 'log.jsonl').read_text()
+    with pytest.raises(SystemExit, match=r'already holds a run \(ckpt.pt, log.jsonl\): continue it with '
+                                         r'--init_from=resume, choose another --out_dir, or replace it with --overwrite=True'):
+        train.main(toy_args(toy_data, out, max_iters=10))
+    assert (out / 'log.jsonl').read_text() == before  # nothing written
+    train.main(toy_args(toy_data, out, max_iters=10, overwrite=True))
+    assert [r['iter'] for r in read_log(out) if "final_val_loss" in r] == [10]  # only the new run
+    assert max(r["iter"] for r in read_log(out)) == 10
+
+
+def test_a_second_process_cannot_write_into_a_run_in_progress(toy_data, tmp_path):
+    out = tmp_path / 'run'
+    out.mkdir()
+    with open(out / '.lock', 'a') as held:  # what a running train.py holds
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit, match='in use by another train.py run'):
+            train.main(toy_args(toy_data, out))
+    assert not (out / 'log.jsonl').exists()
+
+
+def run_train(args, **kw):
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, 'train.py'), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def wait_for_records(out, n, proc, timeout=120):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if (out / 'log.jsonl').exists() and len((out / 'log.jsonl').read_text().splitlines()) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError('no log records')
+
+
+@pytest.mark.parametrize('how', ['SIGINT', 'SIGTERM', 'SIGKILL'])
+def test_interrupted_and_resumed_run_logs_exactly_one_uninterrupted_run(toy_data, tmp_path, how):
+    """Ctrl-C / SIGTERM: a checkpoint of the last finished step, one line, exit non-zero; kill -9:
+    the last evaluation's checkpoint and no stale lock. Resumed either way, log.jsonl equals an
+    uninterrupted run's line by line (timing fields aside)."""
+    args = dict(max_iters=60, eval_interval=20, gate_warmup_iters=10, taper_iters=20, lr_decay_iters=60)
+    straight = tmp_path / 'straight'
+    train.main(toy_args(toy_data, straight, **args))
+
+    out = tmp_path / 'interrupted'
+    proc = run_train(toy_args(toy_data, out, **args))
+    wait_for_records(out, 26, proc)  # past the calibrate event (iteration 9) and the checkpoint at 20
+    proc.send_signal(getattr(signal, how))
+    stdout, stderr = proc.communicate(timeout=60)
+    if how == 'SIGKILL':
+        assert proc.returncode == -signal.SIGKILL
+    else:
+        assert proc.returncode == (130 if how == 'SIGINT' else 143)
+        assert 'Traceback' not in stderr and len(stderr.strip().splitlines()) == 1, stderr
+        last = max(r['iter'] for r in read_log(out) if 'loss' in r)
+        assert f"stopped by {how} after iteration {last}" in stderr
+        assert f"continue with: python train.py --init_from=resume --out_dir={out}" in stderr
+        assert load_checkpoint(str(out / 'ckpt.pt'))['iter_num'] == last + 1  # nothing finished is lost
+    assert read_log(out)[-1]['iter'] < 59  # really interrupted
+    train.main([f'--out_dir={out}', '--init_from=resume'])
+    assert without_timing(read_log(out)) == without_timing(read_log(straight))
+
+
+# ---- data --------------------------------------------------------------------------------
+
+def break_dataset(toy_data, how):
+    folder = toy_data / 'toy'
+    if how == 'odd':
+        with open(folder / 'train.bin', 'ab') as f:
+            f.write(b'\0')
+    elif how == 'vocab':
+        data = np.fromfile(folder / 'val.bin', dtype=np.uint16)
+        data[5] = 64
+        data.tofile(folder / 'val.bin')
+    elif how == 'short':
+        np.zeros(17, dtype=np.uint16).tofile(folder / 'val.bin')
+    elif how == 'meta':
+        (folder / 'meta.json').write_text('{"vocab_size": ')
+
+
+@pytest.mark.parametrize('how, message', [
+    ('odd', r'train.bin holds 20001 bytes, not a whole number of uint16 tokens .*prepare the dataset again'),
+    ('vocab', r"val.bin holds token id 64, outside meta.json's vocab_size 64"),
+    ('short', r'val.bin has 17 tokens, not more than block_size \+ 1 = 17'),
+    ('meta', r'meta.json is not a readable dataset description'),
+])
+def test_bad_data_is_refused_at_start_up_before_anything_is_written(toy_data, tmp_path, how, message):
+    out = tmp_path / 'run'
+    train.main(toy_args(toy_data, out, max_iters=12))
+    ckpt, log = (out / 'ckpt.pt').read_bytes(), (out / 'log.jsonl').read_text()
+    break_dataset(toy_data, how)
+    with pytest.raises(SystemExit, match=message):
+        train.main([f'--out_dir={out}', '--init_from=resume'])
+    with pytest.raises(SystemExit, match=message):
+        train.main(toy_args(toy_data, tmp_path / 'fresh'))
+    assert (out / 'ckpt.pt').read_bytes() == ckpt and (out / 'log.jsonl').read_text() == log
+    assert not (tmp_path / 'fresh').exists()
+
+
+def test_data_paths_do_not_depend_on_the_working_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match=os.path.join(ROOT, 'data', 'nope', 'train.bin') + ' not found'):
+        train.main(['--dataset=nope', '--device=cpu'])
+    with pytest.raises(SystemExit, match=r'--dataset names a prepared folder, not a text file'):
+        train.main(['--dataset=austen.txt', '--device=cpu'])
+
+
+# ---- checkpoints, devices, compiler, configuration ---------------------------------------------
+
+@pytest.mark.parametrize('content, message', [
+    (b'', 'is not a readable checkpoint (truncated or corrupt)'),
+    (os.urandom(4096), 'is not a readable checkpoint (truncated or corrupt)'),
+    (None, 'is not a tapernorm checkpoint: it lacks model_args'),
+])
+def test_one_checkpoint_loader_with_one_line_errors(tmp_path, content, message):
+    path = tmp_path / 'ckpt.pt'
+    if content is None:
+        torch.save({'model': {}}, path)
+    else:
+        path.write_bytes(content)
+    with pytest.raises(SystemExit) as e:
+        load_checkpoint(str(path))
+    assert message in str(e.value) and 'weights_only' not in str(e.value) and '\n' not in str(e.value)
+    with pytest.raises(SystemExit, match='is a run folder: pass its checkpoint'):
+        load_checkpoint(str(tmp_path))
+    with pytest.raises(SystemExit, match=message.replace('(', r'\(').replace(')', r'\)')):
+        train.main([f'--out_dir={tmp_path}', '--init_from=resume'])
+
+
+@pytest.mark.parametrize('device, message', [
+    ('mps', 'no MPS'), ('cuda', 'no CUDA device'), ('tpu', "use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"),
+    ('cuda:x', "use 'auto'"),
+])
+def test_devices_this_machine_lacks_get_one_line(device, message):
+    if device == 'mps' and torch.backends.mps.is_available() or device == 'cuda' and torch.cuda.is_available():
+        pytest.skip(f'this machine has {device}')
+    with pytest.raises(SystemExit, match=message):
+        configurator.resolve_device(device)
+
+
+def test_compile_without_a_cxx_compiler_is_one_line():
+    env = dict(os.environ, CXX='/bin/false', TORCHINDUCTOR_CACHE_DIR=os.path.join(ROOT, '.no-cache-test'))
+    proc = subprocess.run([sys.executable, '-c', 'import configurator; configurator.check_compiler("cpu")'],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and 'Traceback' not in proc.stderr
+    assert '--compile=False runs without it' in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize('args, message', [
+    (['config/cpu.py', 'config/tinystories_internal_taper.py'],
+     'config/tinystories_internal_taper.py comes after the overlay config/cpu.py and would undo it'),
+    (['-max_iters=60'], 'did you mean --max_iters=60?'),
+    (['--dataset=austen', 'was'], "'was' is neither a config file nor --key=value; a value with spaces needs quotes"),
+])
+def test_misleading_inputs_get_the_message_the_user_needs(args, message):
+    with pytest.raises(SystemExit, match=message.replace('?', r'\?').replace('.', r'\.')):
+        train.load_config(args)
+
+
+def test_the_smoke_overlay_crosses_every_phase_and_no_example_keeps_a_longer_schedule():
+    for base in ('baseline', 'internal_taper', 'all_taper', 'all_taper_noaux'):
+        for overlay in ('cpu', 'smoke'):
+            cfg = train.load_config([f'config/tinystories_{base}.py', f'config/{overlay}.py'])
+            assert cfg.lr_decay_iters == cfg.max_iters
+            if cfg.taper != 'none':
+                assert cfg.gate_warmup_iters + cfg.taper_iters < cfg.max_iters  # a linear phase too
