@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from test_train import read_log, toy_args
@@ -38,6 +39,13 @@ def test_two_process_gloo_run_agrees_on_c(toy_data, tmp_path):
     ranks = [json.loads((out / f'rank{r}.json').read_text()) for r in (0, 1)]
     assert ranks[0]['phase'] == ranks[1]['phase'] == 'linear'
     assert ranks[0]['c'] == ranks[1]['c'] and ranks[0]['s_tgt'] == ranks[1]['s_tgt']
+    # c is the closed form over BOTH ranks' calibration tokens (docs/method.md §3), not rank 0's
+    for name, c in ranks[0]['c'].items():
+        (n0, d0, t0, g), (n1, d1, _, _) = ranks[0]['stats'][name], ranks[1]['stats'][name]
+        g2 = np.square(g)
+        both = (g2 @ (np.add(n0, n1))) / (g2 @ np.add(d0, d1))
+        alone = (g2 @ np.asarray(n0)) / (g2 @ np.asarray(d0))
+        assert c == pytest.approx(both, rel=1e-5) and abs(alone / both - 1) > 1e-4, name
     assert ranks[0]['lm_head_sum'] == ranks[1]['lm_head_sum']  # the replicas stayed in sync
     log = read_log(out)
     assert {r['phase'] for r in log if 'loss' in r} == {'warmup', 'taper', 'linear'}

@@ -1,5 +1,7 @@
 """TaperNorm, calibration, L_aux and the compiled model (SPEC §1, §3, §4)."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -247,9 +249,16 @@ def test_aux_loss_is_zero_on_target_and_its_gradient_is_radial(kind):
     h = torch.randn(3, 5, 32, dtype=torch.float64)
     target = torch.tensor(2.5, dtype=torch.float64)
     L = lambda h, eps=0.0: aux_loss(norm_scale(h, kind, eps), target, 0.1)
-    h_on = h * (target / norm_scale(h, kind, 0.0))  # every token exactly at s(h) = s_tgt
+    h_on = h * (target / reference_r(h, kind, 0.0))[..., None]  # every token exactly at s(h) = s_tgt
     assert L(h_on).item() == pytest.approx(0.0, abs=1e-20)
     assert L(1.2 * h_on).item() == pytest.approx(0.1 * (0.2 * 2.5) ** 2, rel=1e-9)  # λ (s − s_tgt)²
+    # per token, not of the mean scale: tokens at 0.5 and 1.5 × s_tgt average to s_tgt, yet each is
+    # 0.5 · 2.5 away: λ · mean (s − s_tgt)² = 0.1 · 1.25²
+    spread = torch.ones(3, 5, 1, dtype=torch.float64)
+    spread[:, ::2], spread[:, 1::2] = 0.5, 1.5
+    spread = torch.cat([spread[:, :4], spread[:, :4]], dim=1)  # 8 tokens a row: four at 0.5, four at 1.5
+    h8 = torch.cat([h_on[:, :4], h_on[:, :4]], dim=1) * spread
+    assert L(h8).item() == pytest.approx(0.1 * 1.25 ** 2, rel=1e-9)
     h = h.requires_grad_()
     L(h, 1e-5).backward()
     x = h - h.mean(-1, keepdim=True) if kind == 'layernorm' else h
@@ -299,6 +308,23 @@ def test_phase_paths_and_trainable_gains():
     assert model.transformer.ln_f.weight.requires_grad  # Internal-Taper keeps a real final norm
     with pytest.raises(ValueError, match='phase'):
         model.set_phase('baseline')
+
+
+def test_norm_scale_is_the_root_of_mean_square_plus_eps_by_hand():
+    h = torch.tensor([[3.0, 4.0, 0.0, 0.0]])  # mean h² = 25/4; centred: mean 7/4, (P h)² = 25/16·…
+    assert norm_scale(h, 'rmsnorm', 0.75).item() == pytest.approx(math.sqrt(25 / 4 + 0.75))
+    x = h - 1.75  # [1.25, 2.25, -1.75, -1.75]
+    assert norm_scale(h, 'layernorm', 0.75).item() == pytest.approx(math.sqrt((x ** 2).mean().item() + 0.75))
+
+
+def test_gains_and_biases_get_no_weight_decay():
+    """docs/method.md §1: γ, β, γ̃, β̃ (and every Linear bias) are excluded; matrices and embeddings decay."""
+    model = tiny('layernorm', taper='all')
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    decay = {id(p): g['weight_decay'] for g in opt.param_groups for p in g['params']}
+    for name, p in model.named_parameters():
+        gain_or_bias = name.endswith(('weight_tilde', 'bias_tilde', '.bias')) or '.ln_' in name
+        assert decay[id(p)] == (0.0 if gain_or_bias else 0.1), name
 
 
 def test_the_ladder_parameter_counts():

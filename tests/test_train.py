@@ -5,13 +5,14 @@ import math
 import os
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import train
 import configurator
-from model import save_checkpoint
+from model import GPT, GPTConfig, save_checkpoint
 from train import get_gate, get_lr, get_phase, load_config
 
 
@@ -261,3 +262,91 @@ def test_main_command_prepares_tinystories_when_missing(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, 'huggingface_hub', types.SimpleNamespace(hf_hub_download=offline))
     with pytest.raises(SystemExit, match='--input=/path/to/TinyStoriesV2-GPT4-train.txt'):
         train.main(args[:1] + [f'--data_dir={tmp_path}/empty'] + args[2:])
+
+
+# ---- the numbers train.py reports, against plain torch ---------------------------------
+
+def linear_phase_model(aux_weight):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, taper='all',
+                          aux_weight=aux_weight))
+    x = torch.randint(0, 64, (4, 16))
+    model.set_collect('calibration')
+    model(x, x)
+    model.set_collect(None)
+    model.calibrate('end')
+    model.set_phase('linear')
+    model.set_gate(0.0)
+    return model
+
+
+def plain_losses(model, x, y):
+    """(CE, L_aux) written out: F.cross_entropy and λ · mean over tokens of (sqrt(mean h² + ε) − s_tgt)²."""
+    seen = {}
+    hook = model.transformer.ln_f.register_forward_pre_hook(lambda m, a: seen.__setitem__('h', a[0]))
+    logits, _ = model(x, y)
+    hook.remove()
+    ce = F.cross_entropy(logits.reshape(-1, 64), y.reshape(-1))
+    s = (seen['h'].pow(2).mean(-1) + 1e-5).sqrt()
+    return ce, model.config.aux_weight * (s - model.s_tgt).pow(2).mean()
+
+
+def test_a_training_step_is_the_mean_of_its_micro_batches_losses(toy_data, tmp_path):
+    """Two micro-batches: the gradient is that of mean_m (CE_m + L_aux_m), clipped to norm 1."""
+    cfg = load_config(toy_args(toy_data, tmp_path / 'x', dropout=0.0, batch_size=2, grad_clip=1.0))
+    env = train.setup(cfg)
+    folder = str(toy_data / 'toy')
+    model, reference = linear_phase_model(1.0), linear_phase_model(1.0)
+    grads = {}
+
+    class Capture:  # stands in for the optimizer: keeps the gradients train_step produced
+        def step(self):
+            grads.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+        def zero_grad(self, set_to_none=True):
+            model.zero_grad(set_to_none=set_to_none)
+
+    stats = train.train_step(model, model, Capture(), folder, cfg, env, it=5)
+    total = 0
+    for micro in range(2):
+        x, y = train.get_batch(folder, 'train', train.batch_rng(cfg.seed, 0, 5, 0, micro), 2, 16, 'cpu')
+        ce, aux = plain_losses(reference, x, y)
+        total = total + (ce + aux) / 2
+    total.backward()
+    norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in reference.parameters() if p.grad is not None))
+    assert stats['loss'] == pytest.approx(total.item(), rel=1e-5)
+    assert stats['grad_norm'] == pytest.approx(norm.item(), rel=1e-5) and norm > 1  # so clipping acted
+    for n, p in reference.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[n], p.grad / norm, rtol=1e-4, atol=1e-7)
+
+
+def test_validation_loss_is_cross_entropy_alone(toy_data, tmp_path):
+    cfg = load_config(toy_args(toy_data, tmp_path / 'x', eval_iters=3))
+    env = train.setup(cfg)
+    model = linear_phase_model(aux_weight=100.0)
+    model.s_tgt.mul_(3)  # an L_aux that would show
+    folder = str(toy_data / 'toy')
+    got = train.estimate_val_loss(model, model, folder, cfg, env)
+    with torch.no_grad():
+        batches = [train.get_batch(folder, 'val', train.batch_rng(cfg.seed, 1, k), 4, 16, 'cpu') for k in range(3)]
+        ces = [plain_losses(model, x, y) for x, y in batches]
+    assert got == pytest.approx(sum(ce.item() for ce, _ in ces) / 3, rel=1e-6)
+    assert sum(aux.item() for _, aux in ces) > 0.01 * got
+
+
+def test_final_losses_cover_the_whole_val_split_and_as_many_train_windows(toy_data, tmp_path):
+    out = tmp_path / 'run'
+    train.main(toy_args(toy_data, out, max_iters=12, block_size=16))
+    final = read_log(out)[-1]
+    model, _ = GPT.from_checkpoint(str(out / 'ckpt.pt'))
+    val = np.fromfile(toy_data / 'toy' / 'val.bin', dtype=np.uint16).astype(np.int64)
+    train_data = np.fromfile(toy_data / 'toy' / 'train.bin', dtype=np.uint16).astype(np.int64)
+    n = (len(val) - 1) // 16  # every whole window of the split
+    starts = np.random.default_rng(np.random.SeedSequence([1337, 3])).integers(len(train_data) - 16, size=n)
+    with torch.no_grad():
+        for data, starts_, key in ((val, np.arange(n) * 16, 'final_val_loss'), (train_data, starts, 'final_train_loss')):
+            x = torch.from_numpy(np.stack([data[s:s + 16] for s in starts_]))
+            y = torch.from_numpy(np.stack([data[s + 1:s + 17] for s in starts_]))
+            ce = F.cross_entropy(model(x, y)[0].reshape(-1, 64), y.reshape(-1))
+            assert final[key] == pytest.approx(ce.item(), rel=1e-5), key
