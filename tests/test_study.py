@@ -52,3 +52,15 @@ def test_a_diverged_cell_is_recorded_with_its_iteration_and_not_retried(tiny_mat
     size = (out / 'all-end-s1' / 'train.out').stat().st_size
     study.main(['--matrix=tiny', f'--study_dir={out}', '--table=False'])
     assert (out / 'all-end-s1' / 'train.out').stat().st_size == size  # not retried
+
+
+def test_plot_draws_the_runs_of_a_study(tiny_matrix, tmp_path):
+    pytest.importorskip('matplotlib')
+    import plot
+    out = tmp_path / 'study'
+    study.main(['--matrix=tiny', f'--study_dir={out}', '--table=False'])
+    png = tmp_path / 'p.png'
+    plot.main([f'--runs={out}/baseline-end-s1,{out}/all-end-s1', f'--out={png}'])
+    assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 10_000
+    with pytest.raises(SystemExit, match='log.jsonl not found'):
+        plot.main([f'--runs={tmp_path}/none', f'--out={png}'])

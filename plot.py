@@ -1,0 +1,98 @@
+"""
+Plot training runs from their log.jsonl: loss, the scale of the pre-logit state s(h), the logits'
+RMS and the radial share of the gradient, against the step, with the gate g and the calibrate
+step marked. Needs matplotlib (pip install matplotlib), imported only here.
+
+    python plot.py --runs=study/baseline-end-s1,study/internal-end-s1,study/all-end-s1 --out=docs/plots/main.png
+"""
+
+import json
+import os
+import sys
+
+from configurator import configure
+
+# -----------------------------------------------------------------------------
+runs = ''                   # comma-separated out_dirs (each with a log.jsonl)
+labels = ''                 # comma-separated legend labels (default: the folder names)
+out = 'plot.png'            # the PNG to write
+title = ''                  # a title over the panels
+smooth = 5                  # moving average over this many logged training steps (1: none)
+# -----------------------------------------------------------------------------
+
+
+def read_run(out_dir):
+    """(step records, calibrate record or None) of out_dir/log.jsonl; SystemExit if it has none."""
+    path = os.path.join(out_dir, 'log.jsonl')
+    if not os.path.exists(path):
+        raise SystemExit(f"{path} not found: --runs takes the out_dir of train.py runs")
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    steps = [r for r in records if 'loss' in r]
+    if not steps:
+        raise SystemExit(f"{path} holds no training steps yet")
+    return steps, next((r for r in records if r.get('event') == 'calibrate'), None)
+
+
+def moving_average(xs, n):
+    return [sum(xs[max(0, i - n + 1):i + 1]) / len(xs[max(0, i - n + 1):i + 1]) for i in range(len(xs))]
+
+
+def main(argv):
+    cfg = configure(argv, globals())
+    if not cfg.runs:
+        raise SystemExit("config error: --runs=DIR[,DIR...] is required")
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("plot.py needs matplotlib: pip install matplotlib") from None
+    dirs = cfg.runs.split(',')
+    names = cfg.labels.split(',') if cfg.labels else [os.path.basename(d.rstrip('/')) for d in dirs]
+    if len(names) != len(dirs):
+        raise SystemExit(f"config error: {len(names)} labels for {len(dirs)} runs")
+    panels = [('ce', 'cross-entropy (train, smoothed; dots: validation)'), ('hidden_rms', 's(h) before the final norm'),
+              ('logit_rms', 'logit RMS'), ('radial_cos', 'cos(∂CE/∂h, h) at the pre-logit state')]
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), sharex=True)
+    gate_drawn = False
+    for (key, label), ax in zip(panels, axes.flat):
+        for i, (d, name) in enumerate(zip(dirs, names)):
+            steps, calib = read_run(d)
+            color = f'C{i}'
+            its = [r['iter'] for r in steps]
+            ax.plot(its, moving_average([r.get(key, float('nan')) for r in steps], cfg.smooth), color=color,
+                    lw=1.3, label=name)
+            if key == 'ce':
+                val = [(r['iter'], r['val_loss']) for r in steps if 'val_loss' in r]
+                ax.plot(*zip(*val), 'o', color=color, ms=4)
+            if calib is not None:
+                ax.axvline(calib['iter'] + 1, color='0.6', ls=':', lw=1)
+            if key == 'hidden_rms' and calib is not None:
+                ax.axhline(calib['s_tgt'], color=color, ls='--', lw=0.8)
+            if not gate_drawn and any(r['phase'] == 'taper' for r in steps):
+                for a in axes.flat:  # the gate, on its own axis, once per panel
+                    twin = a.twinx()
+                    twin.plot(its, [r['gate'] for r in steps], color='0.75', lw=2, zorder=0)
+                    twin.set_ylim(-0.05, 1.6)
+                    twin.set_yticks([0, 1])
+                    twin.set_ylabel('gate g', color='0.6')
+                gate_drawn = True
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3)
+        if key == 'ce':
+            lo = min(min(r['ce'] for r in read_run(d)[0]) for d in dirs)
+            ax.set_ylim(lo - 0.2, lo + 2.5)
+    axes[0, 0].legend(fontsize=8)
+    for ax in axes[1]:
+        ax.set_xlabel('step (dotted line: calibrate; dashed: s_tgt)')
+    if cfg.title:
+        fig.suptitle(cfg.title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
+    fig.savefig(cfg.out, dpi=110)
+    print(f"wrote {cfg.out}")
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])
