@@ -15,7 +15,7 @@ import torch
 
 import configurator
 import train
-from model import load_checkpoint
+from model import GPT, load_checkpoint
 from test_train import read_log, toy_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -198,3 +198,20 @@ def test_the_smoke_overlay_crosses_every_phase_and_no_example_keeps_a_longer_sch
             assert cfg.lr_decay_iters == cfg.max_iters
             if cfg.taper != 'none':
                 assert cfg.gate_warmup_iters + cfg.taper_iters < cfg.max_iters  # a linear phase too
+
+
+def test_a_checkpoint_from_before_the_calibration_key_loads_and_resumes_as_ema(toy_data, tmp_path):
+    """Checkpoints written before calibration='end' existed hold the same tensors and a config
+    without calibration / calib_batches / overwrite: they load, and resume with the EMA they used."""
+    out = tmp_path / 'old'
+    train.main(toy_args(toy_data, out, max_iters=12, calibration='ema'))
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+    for key in ('calibration', 'calib_batches', 'overwrite'):
+        del ckpt['config'][key]
+    torch.save(ckpt, out / 'ckpt.pt')
+    model, _ = GPT.from_checkpoint(str(out / 'ckpt.pt'))
+    assert model.phase == 'linear'
+    resumed = train.main([f'--out_dir={out}', '--init_from=resume'])
+    assert torch.equal(resumed.lm_head.weight, model.lm_head.weight)
+    with pytest.raises(SystemExit, match=r"calibration='end' \(stored: 'ema'\)"):
+        train.main([f'--out_dir={out}', '--init_from=resume', '--calibration=end'])
