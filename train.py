@@ -199,9 +199,9 @@ def prepare_command(dataset):
                 f"(then --dataset={name}: --dataset names a prepared folder, not a text file)")
     if dataset == 'tinystories':
         return 'python data/tinystories/prepare.py'
-    corpus = os.path.join('..', 'shared', 'corpora', f'{dataset}.txt')
-    source = corpus if os.path.exists(corpus) else f'PATH/TO/{dataset}.txt'
-    return f'python data/text/prepare.py --name={dataset} --input={source}'
+    from data.text.prepare import PUBLIC_CORPORA  # names prepare.py can download
+    local = f'python data/text/prepare.py --name={dataset} --input=PATH/TO/{dataset}.txt'
+    return f'python data/text/prepare.py --name={dataset}   (offline: {local})' if dataset in PUBLIC_CORPORA else local
 
 
 def find_dataset(cfg, may_prepare):

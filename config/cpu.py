@@ -1,6 +1,6 @@
 # Overlay for a real run on a 2-core CPU in about 6–8 minutes, on Jane Austen's novels.
 # Compose it after any of the four TinyStories configs:
-#   python data/text/prepare.py --name=austen --input=../shared/corpora/austen.txt
+#   python data/text/prepare.py --name=austen       # downloads the novels (offline: --input=PATH/TO/austen.txt)
 #   python train.py config/tinystories_internal_taper.py config/cpu.py
 # It keeps their taper / aux_weight and scales everything else down.
 

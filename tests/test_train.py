@@ -216,7 +216,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(toy_data, tmp_path,
 
 
 def test_missing_dataset_names_the_prepare_command(tmp_path):
-    with pytest.raises(SystemExit, match='data/text/prepare.py --name=austen --input='):
+    with pytest.raises(SystemExit, match=r'data/text/prepare.py --name=austen   \(offline: python data/text/prepare.py --name=austen --input=PATH/TO/austen.txt\)'):
         train.main([f'--data_dir={tmp_path}', '--dataset=austen', '--device=cpu'])
 
 
