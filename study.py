@@ -38,6 +38,7 @@ jobs = 2                    # cells trained at once
 threads = 1                 # OMP_NUM_THREADS of each cell
 run = True                  # train the cells that are not finished
 table = True                # print the tables of the matrix's finished cells
+readme = ''                 # also write them into this markdown file, between <!-- study:MATRIX --> and <!-- /study:MATRIX -->
 # -----------------------------------------------------------------------------
 DEFAULTS = dict(defaults_of(globals()), __file__=__file__, __doc__=__doc__)  # before anything else is defined
 
@@ -52,10 +53,9 @@ VARIANTS = {  # name: train.py overrides
 }
 
 
-def cells_of(variants, seeds, calibration='end', extra=()):
+def cells_of(variants, seeds, calibration='end'):
     """{cell name: train.py arguments} for every variant × seed."""
-    return {f'{v}-{calibration}-s{s}': BASE + VARIANTS[v] + [f'--calibration={calibration}', f'--seed={s}',
-                                                             *extra]
+    return {f'{v}-{calibration}-s{s}': BASE + VARIANTS[v] + [f'--calibration={calibration}', f'--seed={s}']
             for v, s in itertools.product(variants, seeds)}
 
 
@@ -66,6 +66,12 @@ MATRICES = {
     # the README's quick start (All-Taper on austen, 3.3 epochs) with both calibration modes
     'quickstart': {f'austen-all-{m}-s1': ['config/tinystories_all_taper.py', 'config/cpu.py', f'--calibration={m}']
                    for m in ('end', 'ema')},
+    # step times per phase on a machine left to one run at a time (run with --jobs=1 --threads=2):
+    # the main matrix's two-at-a-time runs share the memory bandwidth, so their times are noisier
+    'timing': {f'{v}-timing-s1': BASE + VARIANTS[v] + ['--max_iters=300', '--warmup_iters=30', '--lr_decay_iters=300',
+                                                   '--gate_warmup_iters=30', '--taper_iters=150',
+                                                   '--eval_interval=100', '--log_interval=1']
+               for v in ('baseline', 'internal', 'all')},
     # a two-cell matrix of a few seconds on the toy data of the tests
     'tiny': {f'{v}-end-s1': ['--dataset=toy', '--device=cpu', '--n_layer=1', '--n_head=1', '--n_embd=16',
                              '--block_size=16', '--batch_size=2', '--gradient_accumulation_steps=1',
@@ -195,13 +201,14 @@ def fmt(m_sd, digits=4, pct=False):
     return f"{m:.{digits}f}" if math.isnan(sd) else f"{m:.{digits}f} ± {sd:.{digits}f}"
 
 
-def tables(cells, name_of_baseline='baseline-end'):
+def tables(cells):
     """Markdown tables of the finished cells (grouped by the name without its seed): losses over
     seeds with the per-seed paired difference to the baseline, the calibrate event, the scale
     diagnostics, and the median step time per phase relative to the baseline's."""
     groups = {}
     for name, c in cells.items():
         groups.setdefault(name.rsplit('-s', 1)[0], {})[int(name.rsplit('-s', 1)[1])] = c
+    name_of_baseline = next((g for g in groups if g.startswith('baseline')), None)
     base = groups.get(name_of_baseline, {})
     lines = ["| variant | seeds | final val loss | vs baseline (paired) | final train loss | val − train |",
              "|---|---|---|---|---|---|"]
@@ -262,6 +269,17 @@ def tables(cells, name_of_baseline='baseline-end'):
     return '\n'.join(lines)
 
 
+def write_between_markers(path, matrix, text):
+    """Replace what lies between <!-- study:MATRIX --> and <!-- /study:MATRIX --> in a markdown file."""
+    start, end = f'<!-- study:{matrix} -->', f'<!-- /study:{matrix} -->'
+    doc = open(path, encoding='utf-8').read()
+    if start not in doc or end not in doc:
+        raise SystemExit(f"{path} has no {start} ... {end} block to fill")
+    head, rest = doc.split(start, 1)
+    with open(path, 'w', encoding='utf-8') as f:
+        f.write(head + start + '\n' + text + '\n' + end + rest.split(end, 1)[1])
+
+
 def main(argv):
     """Run (and/or tabulate) the matrix given by argv; returns the results file's contents."""
     cfg = configure(argv, DEFAULTS, choices={'matrix': tuple(MATRICES)})
@@ -274,8 +292,11 @@ def main(argv):
                                                         results, cfg.threads), cells))
         if 'failed' in statuses:
             raise SystemExit(f"{statuses.count('failed')} cell(s) failed; fix and rerun the same command")
-    if cfg.table:
-        print(tables({n: results.data['cells'][n] for n in cells if n in results.data['cells']}))
+    if cfg.table or cfg.readme:
+        text = tables({n: results.data['cells'][n] for n in cells if n in results.data['cells']})
+        print(text)
+        if cfg.readme:
+            write_between_markers(cfg.readme, cfg.matrix, text)
     return results.data
 
 

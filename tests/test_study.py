@@ -28,6 +28,12 @@ def test_two_cells_run_skip_resume_and_record_divergence(tiny_matrix, tmp_path, 
     assert set(cells['all-end-s1']['calibrate']['mismatch']) == {'h.0.ln_1', 'h.0.ln_2', 'ln_f'}
     table = capsys.readouterr().out
     assert '| all-end |' in table and '| baseline-end |' in table
+    readme = tmp_path / 'README.md'
+    readme.write_text('intro\n<!-- study:tiny -->\nold\n<!-- /study:tiny -->\nafter\n')
+    study.main(['--matrix=tiny', f'--study_dir={out}', '--run=False', f'--readme={readme}'])
+    text = readme.read_text()
+    assert text.startswith('intro\n<!-- study:tiny -->\n| variant |') and text.endswith('<!-- /study:tiny -->\nafter\n')
+    assert 'old' not in text and '| all-end |' in text
 
     # a finished cell is skipped: nothing is appended to its log
     before = (out / 'all-end-s1' / 'log.jsonl').read_text()
