@@ -1,5 +1,5 @@
 """
-Fold the tapered norms of a linear-phase checkpoint into the next linear layers (SPEC §5).
+Fold the tapered norms of a linear-phase checkpoint into the next linear layers (docs/method.md §5).
 
     python fold.py --ckpt=out-cpu-austen-internal-aux0.1/ckpt.pt --out=internal-folded.pt
 
@@ -15,8 +15,8 @@ then gets its own weight: the token embedding keeps the old one. The folded mode
 
 The script checks its work: it prints the largest |Δ logit| between the unfolded model at
 g = 0 and the folded one on a batch of validation tokens (random tokens when the dataset is not
-on disk), and writes nothing if that exceeds FOLD_RTOL of the largest logit; then the parameter
-and byte counts before and after.
+on disk), and writes nothing if that exceeds LOGIT_RTOL of the largest logit (max_logit_error,
+the check bench.py's gate runs too); then the parameter and byte counts before and after.
 """
 
 import os
@@ -25,25 +25,28 @@ import sys
 import numpy as np
 import torch
 
-from model import GPT
-from train import ConfigError, parse_args, save_checkpoint
+from configurator import ConfigError, configure, resolve_device
+from model import GPT, save_checkpoint
 
 # -----------------------------------------------------------------------------
 ckpt = ''           # a train.py checkpoint in the linear phase (g = 0)
 out = ''            # where to write the folded checkpoint
-device = 'cpu'      # for the logit check
+device = 'cpu'      # for the logit check, in fp32: 'auto' | 'cpu' | 'cuda' | 'cuda:N' | 'mps'
 batch_size = 4      # sequences of block_size tokens in the logit check
 seed = 1337         # picks the check's windows (or its random tokens)
 # -----------------------------------------------------------------------------
-DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, str))}
 
-FOLD_RTOL = 1e-4  # the check: max |Δ logit| must stay below FOLD_RTOL · max |logit| (fp32 rounding is ~1e-6)
+LOGIT_RTOL = 1e-4  # fold.py's check and bench.py's gate: max |Δ logit| <= LOGIT_RTOL · max |logit| (fp32 rounding: ~1e-6)
 FOLD_INTO = {'ln_1': 'attn.c_attn', 'ln_2': 'mlp.c_fc', 'ln_f': 'lm_head'}  # a norm -> the layer it feeds
 NORM_KEYS = ('weight', 'bias', 'weight_tilde', 'bias_tilde', 'c', 'calib_num', 'calib_den')
 
 
 class FoldError(ValueError):
     """A checkpoint that cannot be folded; the message says why and what to do."""
+
+
+class CheckError(RuntimeError):
+    """Two models that must compute the same logits (or tokens) do not."""
 
 
 def fold_pairs(model_args):
@@ -57,7 +60,7 @@ def fold_pairs(model_args):
 
 @torch.no_grad()
 def fold_state_dict(state_dict, model_args):
-    """Fold every tapered norm into the linear layer after it (SPEC §5), computing in fp32.
+    """Fold every tapered norm into the linear layer after it (docs/method.md §5), in fp32.
 
     state_dict: a GPT state dict in the linear phase (buffer gate = 0, calibrated);
     model_args: its GPTConfig fields. Returns (new state dict, new model_args with
@@ -95,11 +98,32 @@ def fold_state_dict(state_dict, model_args):
     return sd, dict(model_args, folded=True)
 
 
+def fold_model(model):
+    """The folded GPT (CPU, eval mode) of a linear-phase model: fold_state_dict of its weights."""
+    return GPT.from_state_dict(*fold_state_dict(model.state_dict(), vars(model.config)))
+
+
+@torch.no_grad()
+def max_logit_error(a, b, tokens, what):
+    """Teacher-forced fp32 logits (B, T, V) of models a and b on tokens (B, T): returns
+    (max |Δ logit|, max |logit of a|). Raises CheckError, naming `what`, when
+    max |Δ| > LOGIT_RTOL · max |logit|. fold.py's check and bench.py's gate."""
+    la, lb = a(tokens, tokens)[0].float(), b(tokens, tokens)[0].float()
+    diff, scale = (la - lb).abs().max().item(), la.abs().max().item()
+    if not diff <= LOGIT_RTOL * scale:
+        raise CheckError(f"{what}: teacher-forced logits differ by {diff:.3e} "
+                         f"(max |logit| {scale:.3e}, tolerance {LOGIT_RTOL:g} of it)")
+    return diff, scale
+
+
+def tensor_bytes(tensors):
+    """Bytes of the tensors, each storage counted once (a tied embedding and head once)."""
+    return sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in tensors}.values())
+
+
 def model_size(model):
     """(parameters, bytes of the state dict), each shared tensor counted once."""
-    params = sum(p.numel() for p in model.parameters())
-    tensors = {t.data_ptr(): t for t in model.state_dict().values()}
-    return params, sum(t.numel() * t.element_size() for t in tensors.values())
+    return sum(p.numel() for p in model.parameters()), tensor_bytes(model.state_dict().values())
 
 
 def check_batch(ckpt_dict, batch_size, seed):
@@ -118,43 +142,39 @@ def check_batch(ckpt_dict, batch_size, seed):
     return torch.from_numpy(rng.integers(args['vocab_size'], size=(batch_size, T))), 'random tokens'
 
 
+def validate(cfg):
+    """configure()'s check: --ckpt and --out given, distinct, the folder of --out exists."""
+    if not cfg['ckpt'] or not cfg['out']:
+        raise ConfigError("usage: python fold.py --ckpt=OUT_DIR/ckpt.pt --out=FOLDED.pt")
+    if os.path.abspath(cfg['ckpt']) == os.path.abspath(cfg['out']):
+        raise ConfigError("--out must differ from --ckpt: folding keeps the trained checkpoint")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(cfg['out']))):
+        raise ConfigError(f"--out={cfg['out']}: its folder does not exist; create it first")
+
+
 def main(argv):
     """Fold --ckpt into --out and print the check; returns the report as a dict."""
+    cfg = configure(argv, globals(), validate=validate)
+    dev, _ = resolve_device(cfg.device, 'float32')
+    unfolded, ck = GPT.from_checkpoint(cfg.ckpt, dev)
     try:
-        cfg = parse_args(argv, DEFAULTS)
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}")
-    if not cfg['ckpt'] or not cfg['out']:
-        raise SystemExit("usage: python fold.py --ckpt=OUT_DIR/ckpt.pt --out=FOLDED.pt")
-    if os.path.abspath(cfg['ckpt']) == os.path.abspath(cfg['out']):
-        raise SystemExit("--out must differ from --ckpt: folding keeps the trained checkpoint")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(cfg['out']))):
-        raise SystemExit(f"--out={cfg['out']}: its folder does not exist; create it first")
-    try:
-        unfolded, ck = GPT.from_checkpoint(cfg['ckpt'], cfg['device'])
         sd, args = fold_state_dict(ck['model'], ck['model_args'])
-    except (FileNotFoundError, FoldError) as e:
-        raise SystemExit(f"cannot fold {cfg['ckpt']}: {e}")
-    folded = GPT.from_state_dict(sd, args).to(cfg['device'])
+    except FoldError as e:
+        raise SystemExit(f"cannot fold {cfg.ckpt}: {e}")
+    folded = GPT.from_state_dict(sd, args).to(dev)
 
-    tokens, source = check_batch(ck, cfg['batch_size'], cfg['seed'])
-    tokens = tokens.to(cfg['device'])
-    with torch.no_grad():
-        before, _ = unfolded(tokens, tokens)  # with targets: the logits of every position
-        after, _ = folded(tokens, tokens)
-    diff = (before.float() - after.float()).abs().max().item()
-    scale = before.float().abs().max().item()
-
-    if not diff <= FOLD_RTOL * scale:
-        raise SystemExit(f"the folded model's logits differ from the unfolded model's by {diff:.3e} "
-                         f"(max |logit| {scale:.3e}, tolerance {FOLD_RTOL:g} of it): nothing written. "
-                         "This is a bug; please report it with the checkpoint's model_args")
+    tokens, source = check_batch(ck, cfg.batch_size, cfg.seed)
+    try:
+        diff, scale = max_logit_error(unfolded, folded, tokens.to(dev), 'unfolded (g = 0) vs folded')
+    except CheckError as e:
+        raise SystemExit(f"{e}: nothing written. This is a bug; please report it with the "
+                         "checkpoint's model_args")
 
     out_ckpt = {k: v for k, v in ck.items() if k != 'optimizer'}  # the optimizer state is for training
     names = [n for n, _ in fold_pairs(ck['model_args'])]
     out_ckpt.update(model=folded.state_dict(), model_args=args, folded_norms=names,
-                    folded_from=os.path.abspath(cfg['ckpt']))
-    save_checkpoint(out_ckpt, cfg['out'])
+                    folded_from=os.path.abspath(cfg.ckpt))
+    save_checkpoint(out_ckpt, cfg.out)
 
     (p0, b0), (p1, b1) = model_size(unfolded), model_size(folded)
     print(f"folded {len(names)} {ck['model_args']['norm']} norms ({ck['model_args']['taper']}-taper): "
@@ -164,9 +184,8 @@ def main(argv):
     print(f"parameters {p0:,} -> {p1:,} ({p1 - p0:+,}) | bytes {b0:,} -> {b1:,} ({b1 - b0:+,})")
     if ck['model_args']['taper'] == 'all':
         print("the LM head now has its own weight (untied from the token embedding)")
-    print(f"wrote {cfg['out']}")
+    print(f"wrote {cfg.out}")
     return dict(max_abs_logit_diff=diff, max_abs_logit=scale, params=(p0, p1), bytes=(b0, b1))
-
 
 if __name__ == '__main__':
     main(sys.argv[1:])
