@@ -13,24 +13,22 @@ import sys
 
 import torch
 
+from configurator import ConfigError, configure, resolve_device
 from data.common import decode, encode
 from model import GPT
-from train import ConfigError, parse_args, resolve_device
 
 # -----------------------------------------------------------------------------
 ckpt = ''                   # a train.py or fold.py checkpoint
 start = '\n'                # the prompt, or FILE:path to read it from a file
-num_samples = 3
+num_samples = 3             # continuations printed, one after another
 max_new_tokens = 0          # 0: as many as the context allows after the prompt
 temperature = 0.8           # 0: greedy; higher: more random
 top_k = 200                 # keep only the top_k most likely tokens; 0: all
-seed = 1337
-device = 'auto'             # 'auto' (cuda if available, else cpu) | 'cpu' | 'cuda' ...
+seed = 1337                 # torch.manual_seed before sampling
+device = 'auto'             # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:N' | 'mps'
 dtype = 'auto'              # 'auto' (bfloat16 weights on CUDA where supported, else float32) | 'float32' | 'bfloat16' | 'float16'
 compile = False             # torch.compile the model (worth it on a GPU for long samples)
 # -----------------------------------------------------------------------------
-DEFAULTS = {k: v for k, v in globals().items()
-            if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
 
 
 def read_prompt(start):
@@ -45,36 +43,32 @@ def read_prompt(start):
         raise SystemExit(f"--start={start}: cannot read the prompt file ({e.strerror})")
 
 
+def validate(cfg):
+    """configure()'s check: a checkpoint given, and no negative count or temperature."""
+    if not cfg['ckpt']:
+        raise ConfigError("usage: python sample.py --ckpt=OUT_DIR/ckpt.pt [--start=...]")
+    for key, low in (('temperature', 0), ('top_k', 0), ('num_samples', 1), ('max_new_tokens', 0)):
+        if not cfg[key] >= low:
+            raise ConfigError(f"--{key}={cfg[key]} must be >= {low}")
+
+
 def main(argv):
     """Print num_samples continuations of the prompt; returns them as a list of strings."""
-    try:
-        cfg = parse_args(argv, DEFAULTS)
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}")
-    if not cfg['ckpt']:
-        raise SystemExit("usage: python sample.py --ckpt=OUT_DIR/ckpt.pt [--start=...]")
-    if cfg['temperature'] < 0 or cfg['top_k'] < 0 or cfg['num_samples'] < 1 or cfg['max_new_tokens'] < 0:
-        raise SystemExit("need temperature >= 0, top_k >= 0, num_samples >= 1, max_new_tokens >= 0")
-    try:
-        dev, dt = resolve_device(cfg['device'], cfg['dtype'])
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}")
-    torch.manual_seed(cfg['seed'])
+    cfg = configure(argv, globals(), validate=validate)
+    dev, dt = resolve_device(cfg.device, cfg.dtype)
+    torch.manual_seed(cfg.seed)
 
-    try:
-        model, ck = GPT.from_checkpoint(cfg['ckpt'], dev)
-    except FileNotFoundError as e:
-        raise SystemExit(str(e))
+    model, ck = GPT.from_checkpoint(cfg.ckpt, dev)
     if model.phase == 'linear' and not model.config.folded:
         model.unfused()  # g = 0: the tapered norms are one multiply each
     model.to(dtype=getattr(torch, dt))  # inference in the weights' dtype: the KV cache takes it too
-    if cfg['compile']:
-        model.compile()  # in place: generate()'s calls run compiled (prefill once, decode steps once)
+    if cfg.compile:
+        model.compile()  # in place: generate()'s prefill and decode steps run compiled (one graph each)
     meta = ck.get('meta') or {}
     if 'gpt2_ids' not in meta:
-        raise SystemExit(f"{cfg['ckpt']} holds no tokenizer table (meta.json's gpt2_ids): sample.py "
+        raise SystemExit(f"{cfg.ckpt} holds no tokenizer table (meta.json's gpt2_ids): sample.py "
                          "decodes datasets made by data/*/prepare.py")
-    prompt = encode(read_prompt(cfg['start']), meta)
+    prompt = encode(read_prompt(cfg.start), meta)
     if not prompt:
         raise SystemExit("the prompt is empty: give at least one character with --start")
     block_size = ck['model_args']['block_size']
@@ -82,14 +76,14 @@ def main(argv):
         raise SystemExit(f"the prompt is {len(prompt)} tokens; the checkpoint's context of {block_size} "
                          f"leaves room for new tokens only after a prompt of at most {block_size - 1}")
     room = block_size - len(prompt)
-    new = cfg['max_new_tokens'] or room
+    new = cfg.max_new_tokens or room
     if new > room:
         raise SystemExit(f"a prompt of {len(prompt)} tokens + {new} new tokens exceeds the checkpoint's "
                          f"context of {block_size}: use --max_new_tokens={room} or less, or a shorter prompt")
     idx = torch.tensor([prompt], dtype=torch.long, device=dev)
     samples = []
-    for _ in range(cfg['num_samples']):
-        out = model.generate(idx, new, temperature=cfg['temperature'], top_k=cfg['top_k'] or None)
+    for _ in range(cfg.num_samples):
+        out = model.generate(idx, new, temperature=cfg.temperature, top_k=cfg.top_k or None)  # top_k 0: all
         samples.append(decode(out[0].tolist(), meta))
         print(samples[-1])
         print('---------------')
