@@ -21,12 +21,13 @@ Everything the method adds lives here, each in one place:
 - `GPTConfig.folded`            a model whose tapered norms fold.py merged away (docs/method.md §5;
                                 the arithmetic is fold.py's `fold_state_dict`)
 
-Inference uses a static, preallocated KV cache (`KVCache`, `GPT.setup_caches`, as in
-gpt-fast): a prefill of the prompt, then one-token decode steps whose tensor shapes never
-change, the position given as a tensor, so a compiled decode step never recompiles.
+Inference has one decode path, as in gpt-fast: a static, preallocated KV cache per layer
+(`KVCache`, `GPT.setup_caches`), `prefill` of the prompt, then `decode_one_token` steps
+(`decode_n_tokens`) whose tensor shapes never change, the position a tensor advanced in place,
+so a compiled decode step never recompiles. `GPT.generate`, sample.py and bench.py all use it.
 
-Module names follow GPT-2 (transformer.wte/wpe/h.N.ln_1/attn.c_attn/...), so GPT-2 weights
-load into this class unchanged.
+Module names follow GPT-2 (transformer.wte/wpe/h.N.ln_1/attn.c_attn/...); GPT-2's released
+weights would still need converting (its Conv1D layers store W transposed).
 """
 
 import math
@@ -128,18 +129,6 @@ def aux_loss(s, s_tgt, aux_weight):
     h, or P h for the LN kind), so it fixes the scale of h without steering its direction.
     """
     return aux_weight * (s - s_tgt).pow(2).mean()
-
-
-def sample_next(logits, temperature=1.0, top_k=None, generator=None):
-    """Choose the next token from logits (B, V): argmax when temperature is 0, else a sample
-    of softmax(logits / temperature) restricted to the top_k largest. Returns (B, 1) ids."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-        logits = logits.masked_fill(logits < kth, float('-inf'))
-    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
 
 
 class Norm(nn.Module):
@@ -289,6 +278,61 @@ class KVCache(nn.Module):
         self.k_cache.index_copy_(2, input_pos, k)
         self.v_cache.index_copy_(2, input_pos, v)
         return self.k_cache, self.v_cache
+
+
+# ---- decoding: the one path of GPT.generate, sample.py and bench.py (as in gpt-fast) ------------
+
+def check_sampling(temperature, top_k):
+    """Raise ValueError unless temperature >= 0 and top_k is None (every token) or >= 1."""
+    if not temperature >= 0:  # NaN too
+        raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
+    if top_k is not None and not top_k >= 1:
+        raise ValueError(f"top_k={top_k} must be >= 1, or None to keep every token")
+
+
+def sample_next(logits, temperature=1.0, top_k=None, generator=None):
+    """The next token (B, 1) from logits (B, V): argmax when temperature is 0, else a sample of
+    softmax(logits / temperature) in fp32 over the top_k largest (None: all). A row whose
+    logits / temperature overflows (a temperature like 1e-40) takes its argmax, the limit T → 0.
+    Raises ValueError for temperature < 0 or top_k < 1 (check_sampling)."""
+    check_sampling(temperature, top_k)
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    scaled = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(scaled, min(top_k, scaled.size(-1))).values[:, [-1]]
+        scaled = scaled.masked_fill(scaled < kth, float('-inf'))
+    probs = F.softmax(scaled, dim=-1)
+    overflow = ~torch.isfinite(scaled.amax(dim=-1, keepdim=True))  # (B, 1): softmax gave NaN there
+    greedy = F.one_hot(logits.argmax(dim=-1), logits.size(-1)).to(probs.dtype)
+    return torch.multinomial(torch.where(overflow, greedy, probs), num_samples=1, generator=generator)
+
+
+def prefill(model, idx, input_pos, temperature=0.0, top_k=None, generator=None):
+    """Run idx (B, T) at positions input_pos (T,) through the KV caches (after setup_caches) and
+    choose the next token (B, 1) from the last position's logits with sample_next (0: greedy)."""
+    with torch.no_grad():  # in-place cache writes under autograd would make the caches require grad
+        logits, _ = model(idx, input_pos=input_pos)
+    return sample_next(logits[:, -1], temperature, top_k, generator)
+
+
+def decode_one_token(model, tok, input_pos, temperature=0.0, top_k=None, generator=None):
+    """One decode step: tok (B, 1) at position input_pos (1,) -> the next token (B, 1). The
+    shapes never change, so compiled (a function of its own: its own graph) it never recompiles."""
+    return prefill(model, tok, input_pos, temperature, top_k, generator)
+
+
+def decode_n_tokens(model, tok, input_pos, n, temperature=0.0, top_k=None, generator=None,
+                    step=decode_one_token):
+    """n decode steps after tok (B, 1), the first at input_pos (1,), which is advanced in place
+    (one tensor: no new shapes). step: decode_one_token or a compiled copy of it. Returns the n
+    new tokens, a list of (B, 1), as gpt-fast does (torch.cat them when needed)."""
+    out = []
+    for _ in range(n):
+        tok = step(model, tok, input_pos, temperature, top_k, generator).clone()  # CUDA graphs reuse their output
+        input_pos += 1
+        out.append(tok)
+    return out
 
 
 class CausalSelfAttention(nn.Module):
@@ -623,18 +667,15 @@ class GPT(nn.Module):
         self.causal_mask = torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=w.device).tril()
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True,
-                 return_logits=False, generator=None):
-        """Continue idx (B, T0) by max_new_tokens tokens; returns (B, T0 + max_new_tokens) ids.
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Continue idx (B, T0) by max_new_tokens tokens: returns (B, T0 + max_new_tokens) ids.
 
-        temperature: 0 is greedy (argmax), else logits / temperature are sampled; top_k: keep
-        only the k most likely tokens (None: all). use_cache=True prefills the prompt into a
-        static KV cache and then decodes one token per step; use_cache=False recomputes the
-        whole sequence every step (the reference the cache is tested against).
-        return_logits: also return the fp32 logits each new token was chosen from, (B, N, V).
-        Raises ValueError when max_new_tokens < 0 or T0 + max_new_tokens > block_size (the
-        limit is given).
+        The prompt is prefilled into a static KV cache of T0 + max_new_tokens positions, then one
+        token is decoded per step (prefill, decode_n_tokens). temperature, top_k: see sample_next
+        (0: greedy). Raises ValueError for max_new_tokens < 0, T0 + max_new_tokens > block_size
+        (the limit is given), temperature < 0 or top_k < 1.
         """
+        check_sampling(temperature, top_k)
         B, T0 = idx.shape
         total, limit = T0 + max_new_tokens, self.config.block_size
         if max_new_tokens < 0:
@@ -643,21 +684,13 @@ class GPT(nn.Module):
             raise ValueError(f"a prompt of {T0} tokens + {max_new_tokens} new tokens = {total} positions "
                              f"exceeds the model's context of {limit}; ask for at most "
                              f"{max(limit - T0, 0)} new tokens or shorten the prompt")
-        if use_cache:
-            self.setup_caches(B, total)
-            logits, _ = self(idx, input_pos=torch.arange(T0, device=idx.device))  # prefill
-        out, all_logits = idx, [torch.empty(B, 0, self.config.vocab_size, device=idx.device)]
-        pos = torch.tensor([T0 - 1], device=idx.device)  # one position tensor, advanced in place
-        for t in range(T0, total):
-            if not use_cache:
-                logits, _ = self(out)
-            elif t > T0:  # decode: the last token, at position t − 1
-                pos += 1
-                logits, _ = self(out[:, -1:], input_pos=pos)
-            logits = logits[:, -1, :].float()  # (B, V)
-            all_logits.append(logits[:, None])
-            out = torch.cat([out, sample_next(logits, temperature, top_k, generator)], dim=1)
-        return (out, torch.cat(all_logits, dim=1)) if return_logits else out
+        if max_new_tokens == 0:
+            return idx
+        self.setup_caches(B, total)
+        sampling = (temperature, top_k, generator)
+        tok = prefill(self, idx, torch.arange(T0, device=idx.device), *sampling)
+        rest = decode_n_tokens(self, tok, torch.tensor([T0], device=idx.device), max_new_tokens - 1, *sampling)
+        return torch.cat([idx, tok, *rest], dim=1)
 
     @torch.no_grad()
     def unfused(self):

@@ -1,13 +1,19 @@
-"""KV-cached decoding, unfused and folded inference, fold.py and sample.py (SPEC §5)."""
+"""KV-cached decoding, sampling, unfused and folded inference, fold.py and sample.py (docs/method.md §5)."""
+
+import ast
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.testing import assert_close
 
+import configurator
 import fold
 import sample
 import train
-from model import GPT, GPTConfig, TaperNorm, TaperScale
+from model import (GPT, GPTConfig, TaperNorm, TaperScale, decode_n_tokens, decode_one_token, prefill,
+                   sample_next, save_checkpoint)
 
 KINDS = ['rmsnorm', 'layernorm']
 TAPERS = ['internal', 'all']
@@ -37,8 +43,14 @@ def linear_phase(kind='rmsnorm', taper='internal', bias=True, seed=0, block_size
     return model.eval()
 
 
-def folded_copy(model):
-    return GPT.from_state_dict(*fold.fold_state_dict(model.state_dict(), vars(model.config)))
+@torch.no_grad()
+def greedy_full_recompute(model, idx, n):
+    """The reference decode: n greedy tokens, each from a forward of the whole sequence so far
+    (no KV cache): idx (B, T0) -> (B, T0 + n)."""
+    for _ in range(n):
+        logits, _ = model(idx)  # (B, 1, V): the last position
+        idx = torch.cat([idx, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+    return idx
 
 
 # ---- KV cache -------------------------------------------------------------------------
@@ -47,19 +59,32 @@ def folded_copy(model):
 def test_kv_cache_greedy_decoding_equals_full_recompute(taper):
     model = linear_phase(taper=taper)
     prompt = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))
-    cached, cached_logits = model.generate(prompt, 50, temperature=0, return_logits=True)
-    full, full_logits = model.generate(prompt, 50, temperature=0, use_cache=False, return_logits=True)
-    assert torch.equal(cached, full)
-    tol = 1e-5 * full_logits.abs().max().item()  # All-Taper logits reach the hundreds here
-    assert_close(cached_logits, full_logits, rtol=1e-5, atol=tol)
+    full = greedy_full_recompute(model, prompt, 50)
+    assert torch.equal(model.generate(prompt, 50, temperature=0), full)
+    assert len(set(full[:, 7:].reshape(-1).tolist())) > 1  # not one token repeated throughout
 
     # teacher-forced through the cache on random tokens (greedy paths may settle on one token)
     seq = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(2))
-    full_logits, _ = model(seq, seq)
+    with torch.no_grad():
+        full_logits, _ = model(seq, seq)
+    tol = 1e-5 * full_logits.abs().max().item()  # All-Taper logits reach the hundreds here
     model.setup_caches(2, 40)
-    steps = [model(seq[:, :5], input_pos=torch.arange(5))[0]]
-    steps += [model(seq[:, [t]], input_pos=torch.tensor([t]))[0] for t in range(5, 40)]
+    with torch.no_grad():
+        steps = [model(seq[:, :5], input_pos=torch.arange(5))[0]]
+        steps += [model(seq[:, [t]], input_pos=torch.tensor([t]))[0] for t in range(5, 40)]
     assert_close(torch.cat(steps, dim=1), full_logits[:, 4:], rtol=1e-5, atol=tol)
+
+
+def test_prefill_and_decode_steps_advance_the_position_in_place():
+    model = linear_phase(taper='all')
+    prompt = torch.randint(0, 96, (3, 6), generator=torch.Generator().manual_seed(3))
+    model.setup_caches(3, 30)
+    tok = prefill(model, prompt, torch.arange(6))
+    pos = torch.tensor([6])
+    rest = decode_n_tokens(model, tok, pos, 20)
+    assert pos.item() == 26 and len(rest) == 20 and all(t.shape == (3, 1) for t in rest)
+    assert torch.equal(torch.cat([prompt, tok, *rest], dim=1), greedy_full_recompute(model, prompt, 21))
+    assert decode_n_tokens(model, tok, pos, 0) == []
 
 
 def test_training_forward_ignores_the_caches():
@@ -88,25 +113,76 @@ def test_compiled_decode_step_never_recompiles():
     from torch._dynamo.testing import CompileCounter
     torch._dynamo.reset()
     model = linear_phase(taper='internal')
+    prompt = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(4))
     counter = CompileCounter()
-    step = torch.compile(model, backend=counter, fullgraph=True)
-    model.setup_caches(1, 40)
-    step(torch.zeros(1, 8, dtype=torch.long), input_pos=torch.arange(8))  # prefill
+    compiled = torch.compile(decode_one_token, backend=counter, fullgraph=True)
     frames = []
-    for pos in range(8, 40):
-        step(torch.zeros(1, 1, dtype=torch.long), input_pos=torch.tensor([pos]))
+
+    def step(*args):
+        tok = compiled(*args)
         frames.append(counter.frame_count)
-    assert frames == [frames[0]] * len(frames) and frames[0] <= 2
+        return tok
+
+    model.setup_caches(1, 40)
+    tok = prefill(model, prompt, torch.arange(8))
+    rest = decode_n_tokens(model, tok, torch.tensor([8]), 31, step=step)
+    assert frames == [1] * 31  # one graph, compiled at the first step, never again
+    assert torch.equal(torch.cat([prompt, tok, *rest], dim=1), greedy_full_recompute(model, prompt, 32))
     torch._dynamo.reset()
 
 
-def test_sampling_respects_top_k_and_temperature():
-    from model import sample_next
+# ---- sampling ---------------------------------------------------------------------------
+
+def test_sampling_follows_softmax_of_logits_over_temperature_within_top_k():
+    logits = torch.tensor([[0.0, 1.0, 0.5, -1.0, 0.2]])
+    n = 20000
+    for temperature, top_k in [(1.0, None), (0.5, None), (2.0, 3)]:
+        g = torch.Generator().manual_seed(0)
+        picks = sample_next(logits.repeat(n, 1), temperature=temperature, top_k=top_k, generator=g).view(-1)
+        freq = torch.bincount(picks, minlength=5).float() / n
+        expected = torch.exp(logits[0] / temperature)  # plain softmax, by hand
+        if top_k is not None:
+            expected[logits[0] < logits[0].sort(descending=True).values[top_k - 1]] = 0
+        expected /= expected.sum()
+        assert (freq - expected).abs().max() < 0.015, (temperature, top_k, freq, expected)
+
+
+def test_sampling_respects_top_k_and_greedy():
     logits = torch.tensor([[0.0, 5.0, 4.0, -1.0]]).repeat(500, 1)
     g = torch.Generator().manual_seed(0)
     picks = sample_next(logits, temperature=1.0, top_k=2, generator=g)
     assert set(picks.view(-1).tolist()) == {1, 2}
     assert torch.equal(sample_next(logits, temperature=0), torch.ones(500, 1, dtype=torch.long))
+    assert torch.equal(sample_next(logits, temperature=1.0, top_k=1, generator=g), torch.ones(500, 1, dtype=torch.long))
+    assert set(sample_next(logits, 1.0, top_k=100, generator=g).view(-1).tolist()) <= {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize('temperature', [1e-40, 1e-45, 1e-300, 5e-324])
+def test_a_vanishing_temperature_is_greedy_not_a_crash(temperature):
+    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0], [-5.0, -7.0, -2.0, -3.0], [1e-3, 0.0, -1e-3, 0.0]])
+    assert not torch.isfinite((logits / temperature).amax(dim=-1)).all()  # the overflow this guards against
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        picks = sample_next(logits, temperature=temperature, generator=g)
+        assert picks.view(-1).tolist() == [1, 2, 0]
+    assert sample_next(logits, temperature=temperature, top_k=2, generator=g).view(-1).tolist() == [1, 2, 0]
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(temperature=-1.0), 'temperature=-1.0 must be >= 0'),
+    (dict(temperature=float('nan')), 'temperature=nan must be >= 0'),
+    (dict(top_k=0), 'top_k=0 must be >= 1, or None'),
+    (dict(top_k=-1), 'top_k=-1 must be >= 1, or None'),
+])
+def test_bad_sampling_settings_raise_value_errors(kwargs, message):
+    logits = torch.zeros(2, 5)
+    with pytest.raises(ValueError, match=message):
+        sample_next(logits, **{'temperature': 1.0, **kwargs})
+    model = linear_phase()
+    with pytest.raises(ValueError, match=message):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), 0, **kwargs)  # checked even with no token to sample
+    with pytest.raises(ValueError, match=message):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), 4, **kwargs)
 
 
 # ---- unfused and folded ---------------------------------------------------------------
@@ -118,7 +194,7 @@ def test_unfused_and_folded_logits_equal_the_linear_phase(kind, taper):
     x = torch.randint(0, 96, (3, 64))
     with torch.no_grad():
         reference, _ = model(x, x)
-        folded, _ = folded_copy(model)(x, x)
+        folded, _ = fold.fold_model(model)(x, x)
         unfused, _ = model.unfused()(x, x)
     scale = reference.abs().max().item()
     assert scale > 2  # logits far from zero: a wrong fold would show
@@ -130,7 +206,7 @@ def test_unfused_and_folded_logits_equal_the_linear_phase(kind, taper):
 
 @pytest.mark.parametrize('taper', TAPERS)
 def test_folded_model_has_no_norm_where_the_tapered_ones_were(taper):
-    folded = folded_copy(linear_phase('layernorm', taper))
+    folded = fold.fold_model(linear_phase('layernorm', taper))
     blocks = folded.transformer.h
     assert all(b.ln_1 is None and b.ln_2 is None for b in blocks)
     assert (folded.transformer.ln_f is None) == (taper == 'all')
@@ -152,13 +228,13 @@ def test_layernorm_fold_rows_sum_to_zero_and_bias_uses_the_original_weight(taper
 
 def test_folded_head_is_untied_and_stays_untied_through_a_checkpoint(tmp_path):
     model = linear_phase('layernorm', 'all')
-    folded = folded_copy(model)
+    folded = fold.fold_model(model)
     wte, head = folded.transformer.wte.weight, folded.lm_head.weight
     assert wte is not head and not torch.equal(wte, head)
     assert torch.equal(wte, model.transformer.wte.weight)  # the embedding keeps its weight
     assert folded.lm_head.bias is not None  # W β̃ of the folded LN
     path = str(tmp_path / 'folded.pt')
-    train.save_checkpoint({'model': folded.state_dict(), 'model_args': vars(folded.config)}, path)
+    save_checkpoint({'model': folded.state_dict(), 'model_args': vars(folded.config)}, path)
     loaded, _ = GPT.from_checkpoint(path)
     assert loaded.lm_head.weight is not loaded.transformer.wte.weight
     assert torch.equal(loaded.lm_head.weight, head) and torch.equal(loaded.transformer.wte.weight, wte)
@@ -173,7 +249,7 @@ def test_fold_refuses_what_it_cannot_fold():
     with pytest.raises(fold.FoldError, match='baseline'):
         fold.fold_state_dict(baseline.state_dict(), vars(baseline.config))
     model = linear_phase(taper='all')
-    folded = folded_copy(model)
+    folded = fold.fold_model(model)
     with pytest.raises(fold.FoldError, match='already folded'):
         fold.fold_state_dict(folded.state_dict(), vars(folded.config))
     model.set_phase('taper')
@@ -239,8 +315,8 @@ def test_sample_errors_name_the_fix(trained, tmp_path):
         sample.main([f'--ckpt={trained}', f'--start=FILE:{tmp_path / "nope.txt"}'])
     model = linear_phase()
     toy = str(tmp_path / 'toy.pt')  # trained on token ids without a tokenizer (tests' toy data)
-    train.save_checkpoint({'model': model.state_dict(), 'model_args': vars(model.config),
-                           'meta': {'vocab_size': 96, 'tokenizer': 'toy'}}, toy)
+    save_checkpoint({'model': model.state_dict(), 'model_args': vars(model.config),
+                     'meta': {'vocab_size': 96, 'tokenizer': 'toy'}}, toy)
     with pytest.raises(SystemExit, match='no tokenizer table'):
         sample.main([f'--ckpt={toy}'])
 
@@ -287,5 +363,26 @@ def test_generate_argument_checks():
     idx = torch.zeros(2, 3, dtype=torch.long)
     with pytest.raises(ValueError, match='max_new_tokens=-1'):
         model.generate(idx, -1)
-    out, logits = model.generate(idx, 0, return_logits=True)
-    assert torch.equal(out, idx) and logits.shape == (2, 0, 96)
+    assert torch.equal(model.generate(idx, 0), idx)
+    out = model.generate(idx, 5, temperature=0.7, top_k=3, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, 8) and torch.equal(out[:, :3], idx)
+
+
+@pytest.mark.parametrize('script', [sample, fold])
+def test_help_prints_every_key_with_its_comment_and_exits_0(script, capsys):
+    with pytest.raises(SystemExit) as e:
+        script.main(['--help'])
+    assert e.value.code in (0, None)
+    out = capsys.readouterr().out
+    lines = configurator.defaults_block(vars(script)).splitlines()
+    keys = configurator.defaults_of(vars(script))
+    assert len(lines) == len(keys) and all(' # ' in line for line in lines)
+    assert all(any(line.startswith(f'{k} =') for line in out.splitlines()) for k in keys)
+
+
+def test_no_script_imports_train():
+    for name in ('sample.py', 'fold.py', 'bench.py'):
+        tree = ast.parse((Path(__file__).resolve().parents[1] / name).read_text())
+        modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert 'train' not in modules, name
