@@ -1,33 +1,27 @@
 """
-KV-cached decoding throughput: RMSNorm baseline vs TaperNorm unfused vs folded (SPEC §5, §6).
+KV-cached decoding throughput: RMSNorm baseline vs TaperNorm unfused vs folded (docs/method.md §5).
 
     python bench.py                                   # 9M, batch 1, eager and compiled
     python bench.py --size=30M --batch_size=8 --compile=compiled
     python bench.py --ckpt=internal-folded.pt         # also time a real checkpoint
-    python bench.py --mode=last_token                 # the paper's v1 microbenchmark (no cache)
     python bench.py --profile=True                    # + a torch.profiler table of one decode step
 
-Variants, one architecture, the same random weights, no training:
+Variants, one architecture, the same random weights (tapered: calibrated on random tokens, g = 0):
     baseline           RMSNorm everywhere, torch's fused F.rms_norm
     internal_unfused   Internal-Taper at g = 0: ln_1, ln_2 are one multiply by c·γ̃; real final RMSNorm
-    internal_folded    the same model folded by fold.py's code: no ln_1, ln_2 at all; final RMSNorm
+    internal_folded    the same model folded by fold.py: no ln_1, ln_2 at all; final RMSNorm
     all_folded         All-Taper folded: no norm anywhere, LM head untied (the upper bound)
-The tapered variants come from TaperNorm models calibrated on random tokens, set to the linear
-phase, with γ̃ spread around 1, so the benchmark times the artifact a user gets.
 
-Correctness gate, before any timing, in fp32: internal_unfused and internal_folded, All-Taper
-and all_folded, and a --ckpt raw checkpoint and its unfused form agree on teacher-forced logits
-within GATE_RTOL of the largest logit and on the first GATE_TOKENS greedy tokens; compiled, every
-timed variant's greedy tokens equal its eager ones. Otherwise no speed is reported.
+Gate, before any timing, in fp32: internal_unfused and internal_folded, All-Taper and all_folded,
+a raw --ckpt and its unfused form agree on teacher-forced logits (fold.max_logit_error) and the
+first GATE_TOKENS greedy tokens; compiled, each variant's greedy tokens equal its eager ones.
 
-Decode: --prompt_len tokens are prefilled (time to first token, TTFT), then --new_tokens one-token
-decode steps. tokens/s = batch_size · new_tokens / decode time; ms/step = decode time / new_tokens.
-The median over --trials trials after two warm-up trials (compile time, the first one's extra
-time, is reported apart), the variants interleaved (A B C D A B C D ...) so that machine drift
-hits all alike. GB/s is the bytes one decode step must read (weights, the LM head once,
-batch_size embedding rows, and the whole static KV cache, which attention reads through the
-mask) divided by the step time. Memory: analytic weight and KV-cache bytes; on CUDA, peak MB adds
-the most a trial allocated on top of them. fp32 means fp32: TF32 matmuls are left off.
+Timing (model.py's decode path, as in GPT.generate): a prefill of --prompt_len tokens (time to
+first token, TTFT), then --new_tokens decode steps; medians of --trials trials after two warm-up
+trials (the first one's extra time is the compile time), the variants interleaved (A B C D A B C D
+...). tokens/s = batch_size · new_tokens / decode time. GB/s: the bytes a decode step reads
+(weights, the LM head once, batch_size embedding rows, the whole KV cache) / step time. peak MB
+(CUDA): weights + KV cache + the most a trial allocated on top. fp32 means fp32 (TF32 off).
 The last line printed is one JSON object with the configuration and every result.
 """
 
@@ -38,46 +32,66 @@ import statistics
 import sys
 import time
 import types
-from typing import Callable, NamedTuple, Optional
+from functools import partial
 
 import torch
 
-from fold import fold_state_dict
-from model import GPT, LADDER, GPTConfig, TaperScale
-from train import ConfigError, parse_args, resolve_device
+from configurator import ConfigError, configure, resolve_device
+from fold import CheckError, fold_model, max_logit_error, tensor_bytes
+from model import GPT, LADDER, GPTConfig, TaperScale, decode_n_tokens, decode_one_token, prefill
 
 # -----------------------------------------------------------------------------
-size = '9M'             # a row of the SPEC §6 ladder: 1M | 3M | 9M | 30M ('' : give the shape below)
-n_layer = 0             # any of these four, when > 0, overrides the size's value
-n_head = 0
-n_embd = 0
-vocab_size = 10000
-block_size = 512
-batch_size = 1
-prompt_len = 128
-new_tokens = 256
-mode = 'decode'         # 'decode' (KV cache) | 'last_token' (full forward, last logits, no cache)
+size = '9M'             # a row of the ladder (docs/method.md §6): 1M | 3M | 9M | 30M ('': give the shape below)
+n_layer = 0             # blocks; this, n_head and n_embd, when > 0, override the size's value
+n_head = 0              # attention heads
+n_embd = 0              # width d
+vocab_size = 10000      # vocabulary of the random-weight variants
+block_size = 512        # their context: prompt_len + new_tokens must fit
+batch_size = 1          # sequences decoded together (B)
+prompt_len = 128        # prompt tokens, prefilled (TTFT)
+new_tokens = 256        # decode steps timed
 compile = 'both'        # 'both' | 'eager' | 'compiled'
-device = 'auto'         # 'auto' (cuda if available, else cpu) | 'cpu' | 'cuda' ...
+device = 'auto'         # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:N' | 'mps'
 dtype = 'auto'          # 'auto' (bfloat16 on CUDA where supported, else float32) | 'float32' | 'bfloat16'
-trials = 5
-seed = 1337
+trials = 5              # timed trials per variant (the median is reported), after two warm-up trials
+seed = 1337             # weights, calibration tokens, prompt and gate sequence
 ckpt = ''               # also time this checkpoint (raw or folded) next to a baseline of its shape
 profile = False         # print a torch.profiler table of one decode step of baseline and internal_folded
 # -----------------------------------------------------------------------------
-DEFAULTS = {k: v for k, v in globals().items()
-            if not k.startswith('_') and isinstance(v, (bool, int, float, str))}
-
+CHOICES = {'size': ('', *LADDER), 'compile': ('both', 'eager', 'compiled')}
 VARIANTS = ('baseline', 'internal_unfused', 'internal_folded', 'all_folded')
-GATE_RTOL = 1e-4   # teacher-forced logits: max |Δ| <= GATE_RTOL · max |logit|
+SHAPE = ('n_layer', 'n_head', 'n_embd', 'vocab_size', 'block_size')  # the architecture in the JSON record
 GATE_TOKENS = 16   # greedy tokens that must be identical
 
 
-class GateError(RuntimeError):
-    """The folded and unfused models disagree: the benchmark refuses to time them."""
+def architecture(cfg):
+    """configure()'s check of the settings (ConfigError names the key and the fix), and the model
+    shape they give: the size's ladder row, n_layer / n_head / n_embd overriding where > 0,
+    vocab_size and block_size (a dict)."""
+    for key in ('batch_size', 'prompt_len', 'new_tokens', 'trials'):
+        if cfg[key] < 1:
+            raise ConfigError(f"--{key}={cfg[key]} must be >= 1")
+    keys = ('n_layer', 'n_head', 'n_embd')
+    arch = dict(LADDER.get(cfg['size'], {}), **{k: cfg[k] for k in keys if cfg[k] > 0})
+    if missing := [k for k in keys if k not in arch]:
+        raise ConfigError(f"--size='' needs --{', --'.join(missing)}")
+    arch.update(vocab_size=cfg['vocab_size'], block_size=cfg['block_size'])
+    try:
+        GPTConfig(**arch)  # sizes >= 1, n_embd divisible by n_head
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg['prompt_len'] + cfg['new_tokens'] > cfg['block_size']:
+        raise ConfigError(f"prompt_len + new_tokens = {cfg['prompt_len'] + cfg['new_tokens']} exceeds "
+                          f"block_size {cfg['block_size']}: lower --prompt_len or --new_tokens")
+    return arch
 
 
 # ---- building the variants --------------------------------------------------------------
+
+def random_tokens(vocab_size, shape, seed):
+    """int64 ids (shape) below vocab_size, from a CPU torch.Generator seeded with seed."""
+    return torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+
 
 @torch.no_grad()
 def linear_phase_model(arch, taper, seed):
@@ -99,396 +113,257 @@ def linear_phase_model(arch, taper, seed):
     return model.eval()
 
 
-def folded_model(model):
-    """The model rewritten by fold.py's fold_state_dict, as a GPT with folded=True."""
-    return GPT.from_state_dict(*fold_state_dict(model.state_dict(), vars(model.config)))
-
-
 def build_variants(arch, seed):
-    """{name: fp32 CPU model} for VARIANTS, plus the unfolded All-Taper model for the gate."""
+    """({name: fp32 CPU model} for VARIANTS, the unfolded All-Taper model for the gate)."""
     torch.manual_seed(seed)
     baseline = GPT(GPTConfig(**arch)).eval()
     internal = linear_phase_model(arch, 'internal', seed)
-    all_taper = linear_phase_model(arch, 'all', seed)
-    for name, p in baseline.named_parameters():  # the same weights everywhere they exist
-        if not torch.equal(p, internal.get_parameter(name)):
-            raise RuntimeError(f"baseline and Internal-Taper models differ in {name}: same seed, same init expected")
+    all_taper = linear_phase_model(arch, 'all', seed)  # same seed: the baseline's weights where they exist
     return {'baseline': baseline,
             'internal_unfused': copy.deepcopy(internal).unfused(),
-            'internal_folded': folded_model(internal),
-            'all_folded': folded_model(all_taper)}, all_taper
+            'internal_folded': fold_model(internal),
+            'all_folded': fold_model(all_taper)}, all_taper
 
 
-class CheckpointRun(NamedTuple):
-    name: str                # 'ckpt:FILE'
-    model: GPT               # as timed
-    raw: Optional[GPT]       # its TaperNorm form, for the gate, when timed unfused
-    baseline: GPT            # random weights, the checkpoint's shape
-    about: str               # one line: taper, norm, folded, phase, g
-
-
-def checkpoint_variants(path, seed):
-    """For --ckpt: a CheckpointRun. A raw linear-phase checkpoint is timed unfused (each tapered
-    norm one multiply); its TaperNorm form is kept for the correctness gate."""
-    model, ck = GPT.from_checkpoint(path, 'cpu')
-    c, raw = model.config, None
-    about = f"{path}: taper={c.taper} norm={c.norm} folded={c.folded} phase={model.phase} g={model.gate.item():.4g}"
+def checkpoint_variants(cfg):
+    """For --ckpt: ({'ckpt_baseline': random weights of the checkpoint's shape, 'ckpt:FILE': the
+    checkpoint}, {name: model} and [(name, 'ckpt:FILE')] of its TaperNorm form for the gate, one
+    line about it). A raw linear-phase checkpoint is timed unfused (each tapered norm one multiply)."""
+    model, _ = GPT.from_checkpoint(cfg.ckpt, 'cpu')
+    c, name, raw = model.config, f'ckpt:{os.path.basename(cfg.ckpt)}', {}
+    about = f"{cfg.ckpt}: taper={c.taper} norm={c.norm} folded={c.folded} phase={model.phase} g={model.gate.item():.4g}"
+    if cfg.prompt_len + cfg.new_tokens > c.block_size:
+        raise SystemExit(f"the checkpoint's context is {c.block_size} tokens: lower --prompt_len and --new_tokens "
+                         f"(e.g. --prompt_len={c.block_size // 4} --new_tokens={c.block_size // 2})")
     if model.phase == 'linear' and not c.folded:
-        raw = copy.deepcopy(model)
+        raw[f'{name} (TaperNorm)'] = copy.deepcopy(model)
         model.unfused()
         about += " (timed unfused)"
     elif model.phase in ('warmup', 'taper'):
         about += " (not an inference artifact: the normalizing branch still runs; fold a finished run)"
-    arch = dict(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, vocab_size=c.vocab_size,
-                block_size=c.block_size, bias=c.bias, norm=c.norm, norm_eps=c.norm_eps)
-    torch.manual_seed(seed)
-    return CheckpointRun(f'ckpt:{os.path.basename(path)}', model, raw, GPT(GPTConfig(**arch)).eval(), about)
+    torch.manual_seed(cfg.seed)
+    shape = {k: getattr(c, k) for k in SHAPE + ('bias', 'norm', 'norm_eps')}
+    return {'ckpt_baseline': GPT(GPTConfig(**shape)).eval(), name: model}, raw, [(r, name) for r in raw], about
 
 
-# ---- one variant's step functions -------------------------------------------------------
+# ---- timing ----------------------------------------------------------------------------
 
-class Steps(NamedTuple):
-    prefill: Callable        # (idx (B, P), input_pos (P,)) -> next token (B, 1)
-    decode: Callable         # (tok (B, 1), input_pos (1,)) -> next token (B, 1)
-    forward_last: Callable   # (idx (B, P)) -> next token (B, 1), no cache (--mode=last_token)
-
-
-def make_steps(model, compiled, device_type):
-    """Steps(prefill, decode, forward_last) for one model: prefill(idx (B, P), input_pos (P,)) and
-    decode(tok (B, 1), input_pos (1,)) return the greedy next token (B, 1); forward_last(idx)
-    runs the full sequence without a cache (--mode=last_token). Compiled as gpt-fast does:
-    fullgraph, static shapes; on CUDA "reduce-overhead" (CUDA graphs: no per-kernel launch
-    cost, no host sync)."""
-    def step(idx, input_pos):
-        with torch.no_grad():  # else the in-place cache writes would make the caches require grad
-            logits, _ = model(idx, input_pos=input_pos)
-        return logits[:, -1].argmax(dim=-1, keepdim=True)
-
-    def forward_last(idx, input_pos=None):
-        with torch.no_grad():
-            logits, _ = model(idx)
-        return logits[:, -1].argmax(dim=-1, keepdim=True)
-
+def make_steps(compiled, device_type):
+    """(prefill, decode step) for one variant: model.py's, or compiled as gpt-fast does: fullgraph,
+    static shapes, on CUDA "reduce-overhead" (CUDA graphs). Each compiled copy has a code object of
+    its own: dynamo keeps graphs per code object, and would check other variants' guards first."""
     if not compiled:
-        return Steps(step, step, forward_last)
+        return prefill, decode_one_token
     mode = 'reduce-overhead' if device_type == 'cuda' else None
-    step = torch.compile(own_code(step), fullgraph=True, dynamic=False, mode=mode)  # one graph per shape
-    return Steps(step, step, torch.compile(own_code(forward_last), fullgraph=True, dynamic=False, mode=mode))
-
-
-def own_code(fn):
-    """fn with a code object of its own. Dynamo keeps compiled graphs per code object, so every
-    variant's steps would otherwise share one cache, and each call would check the guards of
-    the other variants' graphs first."""
-    code = fn.__code__.replace()  # an equal but distinct code object
-    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return tuple(torch.compile(types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__),
+                               fullgraph=True, dynamic=False, mode=mode) for f in (prefill, decode_one_token))
 
 
 def sync(device_type):
-    if device_type == 'cuda':
-        torch.cuda.synchronize()
+    if device_type in ('cuda', 'mps'):
+        getattr(torch, device_type).synchronize()
 
 
-def run_decode(steps, prompt, new, device_type):
-    """Prefill, then `new` decode steps. Returns (ttft_s, decode_s, tokens (B, new + 1))."""
-    prefill, decode = steps.prefill, steps.decode
+def run_decode(model, steps, prompt, new, device_type):
+    """Prefill, then `new` decode steps (decode_n_tokens). Returns (ttft_s, decode_s, tokens (B, new + 1))."""
     P = prompt.size(1)
-    prefill_pos = torch.arange(P, device=prompt.device)
-    pos = torch.tensor([P], device=prompt.device)  # advanced in place: one tensor, no new shapes
+    prefill_pos, pos = torch.arange(P, device=prompt.device), torch.tensor([P], device=prompt.device)
     sync(device_type)
     t0 = time.perf_counter()
-    tok = prefill(prompt, prefill_pos).clone()  # clone: CUDA graphs reuse their output memory
+    tok = steps[0](model, prompt, prefill_pos).clone()  # clone: CUDA graphs reuse their output memory
     sync(device_type)
     t1 = time.perf_counter()
-    out = [tok]
-    for _ in range(new):
-        tok = decode(tok, pos).clone()
-        pos += 1
-        out.append(tok)
+    rest = decode_n_tokens(model, tok, pos, new, step=steps[1])
     sync(device_type)
-    t2 = time.perf_counter()
-    return t1 - t0, t2 - t1, torch.cat(out, dim=1)
+    return t1 - t0, time.perf_counter() - t1, torch.cat([tok, *rest], dim=1)
 
 
-def run_last_token(steps, prompt, new, device_type):
-    """`new` full forwards of the prompt, last position only. Returns (None, seconds, tokens)."""
-    forward_last = steps.forward_last
-    sync(device_type)
-    t0 = time.perf_counter()
-    out = [forward_last(prompt).clone() for _ in range(new)]
-    sync(device_type)
-    return None, time.perf_counter() - t0, torch.cat(out, dim=1)
+def time_variants(models, steps, prompts, new, trials, device_type, after_warm_up=None):
+    """Two warm-up trials per variant (CUDA graphs record on a second call), after_warm_up(compile_s),
+    then `trials` trials, the variants interleaved. Returns (compile_s {name: the first trial's extra
+    seconds}, {name: [(ttft_s, decode_s)]}, {name: most a trial allocated over the resident, CUDA})."""
+    compile_s, times, transient = {}, {n: [] for n in models}, {}
+    for n, m in models.items():
+        t0 = time.perf_counter()
+        run_decode(m, steps[n], prompts[n], new, device_type)
+        t1 = time.perf_counter()
+        run_decode(m, steps[n], prompts[n], new, device_type)
+        compile_s[n] = (t1 - t0) - (time.perf_counter() - t1)
+    if after_warm_up is not None:
+        after_warm_up(compile_s)
+    for _ in range(trials):
+        for n, m in models.items():
+            if device_type == 'cuda':
+                torch.cuda.reset_peak_memory_stats()
+                resident = torch.cuda.memory_allocated()
+            times[n].append(run_decode(m, steps[n], prompts[n], new, device_type)[:2])
+            if device_type == 'cuda':
+                transient[n] = max(transient.get(n, 0), torch.cuda.max_memory_allocated() - resident)
+    return compile_s, times, transient
 
 
-# ---- what a decode step reads ------------------------------------------------------------
-
-def weight_bytes(model):
-    """Bytes of every parameter and TaperScale buffer (the tied embedding/head once)."""
-    tensors = list(model.parameters()) + [b for m in model.modules() if isinstance(m, TaperScale)
-                                          for b in m.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def step_bytes(model, batch_size, seq_len, mode):
-    """Bytes one step must read: the weights, with the LM head once and only batch_size rows of
-    the token and position embeddings (batch_size · seq_len in last_token mode), plus the whole
-    static KV cache of seq_len positions (decode mode)."""
-    c, e = model.config, model.transformer.wte.weight.element_size()
-    total = weight_bytes(model) - model.transformer.wpe.weight.numel() * e  # wpe: B rows only
-    if c.untied_head():  # the embedding is its own table: B rows read, not V
-        total -= model.transformer.wte.weight.numel() * e
-    rows = batch_size * (1 if mode == 'decode' else seq_len)
-    total += 2 * rows * c.n_embd * e  # token + position embedding rows
-    if mode == 'decode':
-        total += kv_bytes(model, batch_size, seq_len)
-    return total
+def memory_bytes(model, batch_size, cache_len):
+    """(weights, KV cache, what one decode step reads), in bytes. Weights: every parameter and
+    TaperScale buffer, a tied embedding/head once; KV: 2 · n_layer · B · cache_len · d elements. A
+    step reads the weights (of the embeddings B rows each) and the whole KV cache, through the mask."""
+    c, wte, wpe = model.config, model.transformer.wte.weight, model.transformer.wpe.weight
+    e = wte.element_size()
+    scales = [b for m in model.modules() if isinstance(m, TaperScale) for b in m.buffers()]
+    weights, kv = tensor_bytes(list(model.parameters()) + scales), 2 * c.n_layer * batch_size * cache_len * c.n_embd * e
+    tables = wpe.numel() + (wte.numel() if c.untied_head() else 0)  # a tied wte is the head, read whole
+    return weights, kv, weights - tables * e + 2 * batch_size * c.n_embd * e + kv
 
 
-def kv_bytes(model, batch_size, cache_len):
-    c = model.config
-    return 2 * c.n_layer * batch_size * cache_len * c.n_embd * model.transformer.wte.weight.element_size()
+def result_rows(models, reference, times, transient, compile_s, compiled, cfg):
+    """One result dict per timed variant from the medians of its trials."""
+    rows, B, cache_len = {}, cfg.batch_size, cfg.prompt_len + cfg.new_tokens
+    for n, m in models.items():
+        step_s = statistics.median(t[1] for t in times[n]) / cfg.new_tokens
+        weights, kv, step = memory_bytes(m, B, cache_len)
+        rows[n] = dict(variant=n, compiled=compiled, tokens_per_s=B / step_s, ms_per_token=1000 * step_s,
+                       ttft_ms=1000 * statistics.median(t[0] for t in times[n]),
+                       gbps=step / step_s / 1e9, weight_mb=weights / 1e6, kv_mb=kv / 1e6,
+                       peak_mb=(weights + kv + transient[n]) / 1e6 if n in transient else None,
+                       compile_s=compile_s[n] if compiled else None)
+    for r in rows.values():
+        r['speedup_vs_baseline'] = r['tokens_per_s'] / rows[reference[r['variant']]]['tokens_per_s']
+    return list(rows.values())
 
 
 # ---- the correctness gate -----------------------------------------------------------------
 
-@torch.no_grad()
-def check_logits(name_a, a, name_b, b, seed):
-    """Teacher-forced fp32 logits of two models of one shape on one fixed random sequence;
-    returns max |Δ| / max |logit|. Raises GateError above GATE_RTOL."""
-    T, V = min(a.config.block_size, 128), a.config.vocab_size
-    seq = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(seed + 2))
-    seq = seq.to(a.transformer.wte.weight.device)
-    la, lb = a(seq, seq)[0].float(), b(seq, seq)[0].float()
-    diff, scale = (la - lb).abs().max().item(), la.abs().max().item()
-    if not diff <= GATE_RTOL * scale:
-        raise GateError(f"{name_a} vs {name_b}: teacher-forced logits differ by {diff:.3e} "
-                        f"(max |logit| {scale:.3e}, tolerance {GATE_RTOL:g} of it)")
-    return diff / scale
-
-
-def assert_same_tokens(name_a, tokens_a, name_b, tokens_b, how):
-    """Raise GateError, naming the first position that differs, unless two (B, n) greedy
-    token tensors are equal."""
+def same_tokens(name_a, tokens_a, name_b, tokens_b, how):
+    """SystemExit, naming the first position that differs, unless two (B, n) token tensors are equal."""
     if not torch.equal(tokens_a, tokens_b):
         first = (tokens_a != tokens_b).any(dim=0).nonzero()[0].item()
-        raise GateError(f"{name_a} vs {name_b} ({how}): greedy tokens differ from token {first} on")
+        raise SystemExit(f"correctness gate failed, no speed reported: {name_a} vs {name_b} ({how}): "
+                         f"greedy tokens differ from token {first} on")
+
+
+def gate_eager(models, pairs, prompts, n_tokens, seed, device_type):
+    """Every pair's teacher-forced logits on one random sequence agree (max_logit_error), then
+    its first n_tokens greedy tokens. Returns ({'a vs b': max |Δ| / max |logit|}, {name: tokens
+    (B, n_tokens)}). SystemExit when a check fails: no speed is reported."""
+    errors, steps = {}, make_steps(False, device_type)
+    for a, b in pairs:
+        A = models[a]
+        seq = random_tokens(A.config.vocab_size, (2, min(A.config.block_size, 128)), seed + 2)
+        try:
+            diff, scale = max_logit_error(A, models[b], seq.to(A.transformer.wte.weight.device), f'{a} vs {b}')
+        except CheckError as e:
+            raise SystemExit(f"correctness gate failed, no speed reported: {e}")
+        errors[f'{a} vs {b}'] = diff / scale
+    tokens = {n: run_decode(m, steps, prompts[n], n_tokens - 1, device_type)[2] for n, m in models.items()}
+    for a, b in pairs:
+        same_tokens(a, tokens[a], b, tokens[b], 'eager')
+    return errors, tokens
+
+
+def gate_compiled(models, steps, prompts, eager_tokens, dt, device_type, compile_s):
+    """After the compiled warm-up: print the compile times, then, in fp32, check that every
+    compiled variant's greedy tokens equal its eager ones (SystemExit otherwise)."""
+    for n in models:
+        print(f"  compiled {n} in {compile_s[n]:.1f} s")
+    if dt != 'float32':  # rounding in 16 bits may flip a near-tie of random logits: no reliable check
+        return print(f"  gate (compiled): not run in {dt}; --dtype=float32 runs it")
+    for n, m in models.items():
+        tokens = run_decode(m, steps[n], prompts[n], eager_tokens[n].size(1) - 1, device_type)[2]
+        same_tokens(f'{n} compiled', tokens, f'{n} eager', eager_tokens[n], 'fp32')
+    print("  gate (fp32, compiled): every variant's greedy tokens equal its eager ones")
 
 
 # ---- main ----------------------------------------------------------------------------------
 
-def resolve(cfg):
-    """Check the settings; returns (arch dict, device, torch dtype, list of compile flags)."""
-    if cfg['size'] and cfg['size'] not in LADDER:
-        raise SystemExit(f"--size={cfg['size']}: choose one of {list(LADDER)} or '' with explicit "
-                         "--n_layer/--n_embd/--n_head")
-    arch = dict(LADDER[cfg['size']]) if cfg['size'] else {}
-    for key in ('n_layer', 'n_head', 'n_embd'):
-        if cfg[key] > 0:
-            arch[key] = cfg[key]
-        elif key not in arch:
-            raise SystemExit(f"--size='' needs --{key}")
-    arch.update(vocab_size=cfg['vocab_size'], block_size=cfg['block_size'])
-    if arch['n_embd'] % arch['n_head']:
-        raise SystemExit(f"n_embd={arch['n_embd']} is not divisible by n_head={arch['n_head']}")
-    for key in ('batch_size', 'prompt_len', 'new_tokens', 'trials', 'vocab_size'):
-        if cfg[key] < 1:
-            raise SystemExit(f"--{key}={cfg[key]} must be >= 1")
-    if cfg['mode'] not in ('decode', 'last_token'):
-        raise SystemExit(f"--mode={cfg['mode']!r}: choose 'decode' or 'last_token'")
-    if cfg['compile'] not in ('both', 'eager', 'compiled'):
-        raise SystemExit(f"--compile={cfg['compile']!r}: choose 'both', 'eager' or 'compiled'")
-    if cfg['mode'] == 'decode' and cfg['prompt_len'] + cfg['new_tokens'] > cfg['block_size']:
-        raise SystemExit(f"prompt_len + new_tokens = {cfg['prompt_len'] + cfg['new_tokens']} exceeds "
-                         f"block_size {cfg['block_size']}: lower --prompt_len or --new_tokens")
-    if cfg['prompt_len'] > cfg['block_size']:
-        raise SystemExit(f"prompt_len={cfg['prompt_len']} exceeds block_size {cfg['block_size']}")
-    try:
-        dev, dt = resolve_device(cfg['device'], cfg['dtype'])
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}")
-    flags = {'both': [False, True], 'eager': [False], 'compiled': [True]}[cfg['compile']]
-    return arch, dev, getattr(torch, dt), flags
-
-
 def main(argv):
     """Run the benchmark; returns the JSON record printed on the last line."""
-    try:
-        cfg = parse_args(argv, DEFAULTS)
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}")
-    arch, dev, dtype, flags = resolve(cfg)
+    cfg = configure(argv, globals(), choices=CHOICES, validate=architecture)
+    arch, (dev, dt) = architecture(vars(cfg)), resolve_device(cfg.device, cfg.dtype)
     device_type = torch.device(dev).type
-    B, P, N = cfg['batch_size'], cfg['prompt_len'], cfg['new_tokens']
-    cache_len = P + N
     if device_type == 'cuda':
         torch.cuda.set_device(dev)  # sync and memory statistics then refer to this device
+    flags = {'both': [False, True], 'eager': [False], 'compiled': [True]}[cfg.compile]
+    B, P, N = cfg.batch_size, cfg.prompt_len, cfg.new_tokens
+    extra, raw, pairs, about = checkpoint_variants(cfg) if cfg.ckpt else ({}, {}, [], '')
+    models, all_taper = build_variants(arch, cfg.seed)
+    reference = {**dict.fromkeys(models, 'baseline'), **dict.fromkeys(extra, 'ckpt_baseline')}
+    models.update(extra)
+    gated = {**models, 'all_taper': all_taper, **raw}  # fp32, for the correctness gate
+    pairs = [('internal_unfused', 'internal_folded'), ('all_taper', 'all_folded')] + pairs
 
-    extra = None
-    if cfg['ckpt']:
-        try:
-            extra = checkpoint_variants(cfg['ckpt'], cfg['seed'])
-        except FileNotFoundError as e:
-            raise SystemExit(str(e))
-        limit = extra.model.config.block_size
-        if (P + N if cfg['mode'] == 'decode' else P) > limit:
-            raise SystemExit(f"the checkpoint's context is {limit} tokens: lower --prompt_len and "
-                             f"--new_tokens (e.g. --prompt_len={limit // 4} --new_tokens={limit // 2})")
-    models, all_taper = build_variants(arch, cfg['seed'])
-    reference = {name: 'baseline' for name in models}
-    gate_models = dict(models, all_taper=all_taper)  # fp32, for the correctness gate
-    gate_pairs = [('internal_unfused', 'internal_folded'), ('all_taper', 'all_folded')]
-    if extra is not None:
-        name, model, raw, base, _ = extra
-        models.update({'ckpt_baseline': base, name: model})
-        reference.update({'ckpt_baseline': 'ckpt_baseline', name: 'ckpt_baseline'})
-        gate_models.update({'ckpt_baseline': base, name: model})
-        if raw is not None:
-            gate_models[f'{name} (TaperNorm)'] = raw
-            gate_pairs.append((f'{name} (TaperNorm)', name))
-    names = list(models)
-
-    print(f"bench: {cfg['size'] or 'custom'} {arch} | {', '.join(names)}")
-    print(f"  device={dev} dtype={str(dtype).removeprefix('torch.')} torch={torch.__version__} "
-          f"threads={torch.get_num_threads()} | mode={cfg['mode']} batch_size={B} prompt_len={P} "
-          f"new_tokens={N} | trials={cfg['trials']} (+2 warm-up) | "
+    print(f"bench: {cfg.size or 'custom'} {arch} | {', '.join(models)}")
+    print(f"  device={dev} dtype={dt} torch={torch.__version__} threads={torch.get_num_threads()} | "
+          f"mode=decode batch_size={B} prompt_len={P} new_tokens={N} | trials={cfg.trials} (+2 warm-up) | "
           f"{' and '.join('compiled' if f else 'eager' for f in flags)}")
-    if cfg['trials'] < 5:
-        print(f"  note: {cfg['trials']} trials; medians of fewer than 5 are noisy")
-    if extra is not None:
-        print(f"  ckpt {extra.about}")
+    if cfg.trials < 5:
+        print(f"  note: {cfg.trials} trials; medians of fewer than 5 are noisy")
+    if about:
+        print(f"  ckpt {about}")
 
-    # Greedy tokens for the gate come from a prompt short enough for GATE_TOKENS − 1 decode
-    # steps; in decode mode that is the timed prompt, and the caches are the timed caches.
-    gate_tokens = min(GATE_TOKENS, N + 1) if cfg['mode'] == 'decode' else GATE_TOKENS
-    gen = torch.Generator().manual_seed(cfg['seed'] + 3)
-    prompt = torch.randint(0, arch['vocab_size'], (B, P), generator=gen).to(dev)
-    prompts = {n: prompt % m.config.vocab_size for n, m in gate_models.items()}  # a checkpoint's vocabulary may be smaller
-    gate_prompts = {n: prompts[n][:, :min(P, m.config.block_size - gate_tokens + 1)]
-                    for n, m in gate_models.items()}
-    for n, m in gate_models.items():
-        m.to(dev)
-        m.setup_caches(B, P + N if cfg['mode'] == 'decode' else gate_prompts[n].size(1) + gate_tokens - 1)
-
-    # the gate, in fp32, before anything is timed
+    # the gate's greedy tokens come from the timed prompt and caches: GATE_TOKENS − 1 decode steps at most
+    gate_tokens = min(GATE_TOKENS, N + 1)
+    prompt = random_tokens(arch['vocab_size'], (B, P), cfg.seed + 3).to(dev)
+    prompts = {n: prompt % m.config.vocab_size for n, m in gated.items()}  # a checkpoint's vocabulary may be smaller
+    for m in gated.values():
+        m.to(dev).setup_caches(B, P + N)
     t0 = time.perf_counter()
-    try:
-        gate = {f'{a} vs {b}': check_logits(a, gate_models[a], b, gate_models[b], cfg['seed'])
-                for a, b in gate_pairs}
-        eager_tokens = {n: run_decode(make_steps(m, False, device_type), gate_prompts[n], gate_tokens - 1,
-                                      device_type)[2] for n, m in gate_models.items()}
-        for a, b in gate_pairs:
-            assert_same_tokens(a, eager_tokens[a], b, eager_tokens[b], 'eager')
-    except GateError as e:
-        raise SystemExit(f"correctness gate failed, no speed reported: {e}")
-    print("  gate (fp32, eager): " + ', '.join(f"{k}: max|Δ logit|/max|logit| {v:.1e}" for k, v in gate.items())
+    errors, eager_tokens = gate_eager(gated, pairs, prompts, gate_tokens, cfg.seed, device_type)
+    print("  gate (fp32, eager): " + ', '.join(f"{k}: max|Δ logit|/max|logit| {v:.1e}" for k, v in errors.items())
           + f"; first {gate_tokens} greedy tokens identical ({time.perf_counter() - t0:.1f} s)")
-    del gate_models, all_taper
+    del gated, all_taper, raw  # the unfolded forms are not timed
 
     for m in models.values():
-        m.to(dtype=dtype)  # weights and KV caches
-    run = run_decode if cfg['mode'] == 'decode' else run_last_token
-
+        m.to(dtype=getattr(torch, dt))  # weights and KV caches
     results = []
     for compiled in flags:
-        steps = {n: make_steps(m, compiled, device_type) for n, m in models.items()}
-        compile_s = {}
-        for n in names:  # two warm-up trials: compilation (CUDA graphs record on a second call), allocator
-            t0 = time.perf_counter()
-            run(steps[n], prompts[n], N, device_type)
-            t1 = time.perf_counter()
-            run(steps[n], prompts[n], N, device_type)
-            compile_s[n] = (t1 - t0) - (time.perf_counter() - t1)  # the first trial's extra time
-            if compiled:
-                print(f"  compiled {n} in {compile_s[n]:.1f} s")
-        if compiled and dtype == torch.float32:  # the compiled steps that will be timed pass the gate too
-            try:
-                for n in names:
-                    if cfg['mode'] == 'decode':
-                        tokens = run_decode(steps[n], gate_prompts[n], gate_tokens - 1, device_type)[2]
-                    else:  # a full forward gives the first greedy token
-                        tokens = steps[n].forward_last(gate_prompts[n])
-                    assert_same_tokens(f'{n} compiled', tokens, f'{n} eager', eager_tokens[n][:, :tokens.size(1)], 'fp32')
-            except GateError as e:
-                raise SystemExit(f"correctness gate failed, no speed reported: {e}")
-            print("  gate (fp32, compiled): every variant's greedy tokens equal its eager ones")
-        elif compiled:  # rounding in 16 bits may flip a near-tie of random logits: no reliable check
-            print(f"  gate (compiled): not run in {dtype}; --dtype=float32 runs it")
-        times = {n: [] for n in names}
-        transient = {}  # CUDA: the most a trial allocates on top of what is resident
-        for _ in range(cfg['trials']):
-            for n in names:  # interleaved: A B C D A B C D ...
-                if device_type == 'cuda':
-                    torch.cuda.reset_peak_memory_stats()
-                    resident = torch.cuda.memory_allocated()
-                times[n].append(run(steps[n], prompts[n], N, device_type)[:2])
-                if device_type == 'cuda':
-                    transient[n] = max(transient.get(n, 0), torch.cuda.max_memory_allocated() - resident)
-        for n in names:
-            ttft = statistics.median(t[0] for t in times[n]) if cfg['mode'] == 'decode' else None
-            step_s = statistics.median(t[1] for t in times[n]) / N
-            kv = kv_bytes(models[n], B, cache_len) if cfg['mode'] == 'decode' else 0
-            results.append(dict(
-                variant=n, compiled=compiled, tokens_per_s=B / step_s, ms_per_token=1000 * step_s,
-                ttft_ms=None if ttft is None else 1000 * ttft,
-                gbps=step_bytes(models[n], B, cache_len if cfg['mode'] == 'decode' else P, cfg['mode']) / step_s / 1e9,
-                weight_mb=weight_bytes(models[n]) / 1e6,
-                kv_mb=kv / 1e6,
-                peak_mb=(weight_bytes(models[n]) + kv + transient[n]) / 1e6 if n in transient else None,
-                compile_s=compile_s[n] if compiled else None))
-        by_name = {r['variant']: r for r in results if r['compiled'] == compiled}
-        for r in by_name.values():
-            r['speedup_vs_baseline'] = r['tokens_per_s'] / by_name[reference[r['variant']]]['tokens_per_s']
+        steps = {n: make_steps(compiled, device_type) for n in models}
+        gate = partial(gate_compiled, models, steps, prompts, eager_tokens, dt, device_type) if compiled else None
+        compile_s, times, transient = time_variants(models, steps, prompts, N, cfg.trials, device_type, gate)
+        results += result_rows(models, reference, times, transient, compile_s, compiled, cfg)
 
     print_table(results)
-    if cfg['profile'] and cfg['mode'] != 'decode':
-        print("--profile: profiles a decode step, so it needs --mode=decode")
-    elif cfg['profile']:
-        profile_step(models, steps if flags[-1] else None, prompt, B, cache_len, device_type, cfg['mode'])
+    if cfg.profile:
+        profile_step(models, steps if flags[-1] else None, prompt, device_type)
     record = {'device': torch.cuda.get_device_name(dev) if device_type == 'cuda' else f'cpu ({os.cpu_count()} cores)',
               'torch': torch.__version__,
-              'config': dict(size=cfg['size'], **{k: arch[k] for k in ('n_layer', 'n_head', 'n_embd', 'vocab_size',
-                                                                       'block_size')},
-                             batch_size=B, prompt_len=P, new_tokens=N, dtype=str(dtype).removeprefix('torch.'),
-                             trials=cfg['trials'], seed=cfg['seed'], mode=cfg['mode'], compile=cfg['compile'],
-                             ckpt=cfg['ckpt']),
-              'gate': gate, 'results': results}
+              'config': dict(size=cfg.size, **{k: arch[k] for k in SHAPE}, batch_size=B, prompt_len=P, new_tokens=N,
+                             dtype=dt, trials=cfg.trials, seed=cfg.seed, mode='decode', compile=cfg.compile,
+                             ckpt=cfg.ckpt),
+              'gate': errors, 'results': results}
     print(json.dumps(record))
     return record
 
 
 def print_table(results):
-    def fmt(v, spec):
-        return '-' if v is None else format(v, spec)
     print(f"\n{'variant':<22} {'compiled':>8} {'tokens/s':>10} {'ms/step':>9} {'TTFT ms':>8} "
           f"{'speed-up':>8} {'GB/s':>7} {'weights MB':>10} {'KV MB':>7} {'peak MB':>8}")
     for r in results:
+        peak = '-' if r['peak_mb'] is None else f"{r['peak_mb']:8.1f}"
         print(f"{r['variant']:<22} {str(r['compiled']):>8} {r['tokens_per_s']:>10,.1f} {r['ms_per_token']:>9.3f} "
-              f"{fmt(r['ttft_ms'], '8.2f'):>8} {r['speedup_vs_baseline']:>7.3f}× {r['gbps']:>7.2f} "
-              f"{r['weight_mb']:>10.2f} {r['kv_mb']:>7.2f} {fmt(r['peak_mb'], '8.1f'):>8}")
+              f"{r['ttft_ms']:>8.2f} {r['speedup_vs_baseline']:>7.3f}× {r['gbps']:>7.2f} "
+              f"{r['weight_mb']:>10.2f} {r['kv_mb']:>7.2f} {peak:>8}")
     print()
 
 
-def profile_step(models, compiled_steps, prompt, B, cache_len, device_type, mode):
-    """torch.profiler of one decode step (compiled when timed compiled) of baseline and
-    internal_folded, after a prefill; prints the operators by self time."""
+def profile_step(models, compiled_steps, prompt, device_type):
+    """torch.profiler of one decode step, eager and (when timed compiled) compiled, of baseline
+    and internal_folded after a prefill; prints the operators by self time."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == 'cuda' else [])
-    for n in ('baseline', 'internal_folded'):
-        eager = make_steps(models[n], False, device_type)
-        for how, steps in [('eager', eager)] + ([('compiled', compiled_steps[n])] if compiled_steps else []):
-            P = prompt.size(1)
-            tok = steps.prefill(prompt, torch.arange(P, device=prompt.device)).clone()
-            pos = torch.tensor([P], device=prompt.device)
-            for _ in range(3):
-                steps.decode(tok, pos)
+    P, kind = prompt.size(1), 'device' if device_type == 'cuda' else 'cpu'
+    for n, how in [(n, how) for n in ('baseline', 'internal_folded') for how in ('eager', 'compiled')]:
+        if how == 'compiled' and not compiled_steps:
+            continue
+        first, step = compiled_steps[n] if how == 'compiled' else make_steps(False, device_type)
+        tok = first(models[n], prompt, torch.arange(P, device=prompt.device)).clone()
+        pos = torch.tensor([P], device=prompt.device)
+        for _ in range(3):
+            step(models[n], tok, pos)
+        sync(device_type)
+        with torch_profile(activities=activities) as prof:
+            step(models[n], tok, pos)
             sync(device_type)
-            with torch_profile(activities=activities) as prof:
-                steps.decode(tok, pos)
-                sync(device_type)
-            key = 'self_device_time_total' if device_type == 'cuda' else 'self_cpu_time_total'
-            print(f"---- profile: one decode step of {n} ({how}) ----")
-            print(prof.key_averages().table(sort_by=key, row_limit=14))
-
+        print(f"---- profile: one decode step of {n} ({how}) ----")
+        print(prof.key_averages().table(sort_by=f'self_{kind}_time_total', row_limit=14))
 
 if __name__ == '__main__':
     main(sys.argv[1:])

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import bench
-import train
+import configurator
+import fold
+from model import save_checkpoint
 
 TINY = ['--size=', '--n_layer=2', '--n_embd=32', '--n_head=2', '--vocab_size=128', '--block_size=64',
         '--prompt_len=8', '--new_tokens=8', '--trials=2', '--compile=eager', '--device=cpu']
@@ -32,17 +34,30 @@ def test_bench_runs_end_to_end_and_ends_with_one_json_line(capsys):
     assert record['results'][0]['speedup_vs_baseline'] == 1.0
 
 
-def test_last_token_mode_has_no_ttft(capsys):
-    bench.main(TINY + ['--mode=last_token', '--batch_size=2'])
-    record = last_json(capsys)
-    assert record['config']['mode'] == 'last_token'
-    for r in record['results']:
-        assert r['ttft_ms'] is None
-        assert r['tokens_per_s'] == pytest.approx(2 * 1000 / r['ms_per_token'])  # B tokens per step
+def test_tokens_per_s_counts_every_sequence_of_the_batch(capsys):
+    bench.main(TINY + ['--batch_size=3'])
+    for r in last_json(capsys)['results']:
+        assert r['tokens_per_s'] == pytest.approx(3 * 1000 / r['ms_per_token'])  # B tokens per step
+
+
+def test_bench_decodes_through_the_generate_path():
+    """run_decode (model.py's prefill + decode_n_tokens) gives the greedy tokens of a plain
+    full-recompute loop and of GPT.generate."""
+    models, _ = bench.build_variants(dict(n_layer=2, n_embd=32, n_head=2, vocab_size=128, block_size=64), 0)
+    prompt = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    for model in models.values():
+        idx = prompt
+        with torch.no_grad():
+            for _ in range(13):  # the reference: the whole sequence every step, no cache
+                idx = torch.cat([idx, model(idx)[0][:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+        model.setup_caches(2, 9 + 12)
+        _, _, tokens = bench.run_decode(model, bench.make_steps(False, 'cpu'), prompt, 12, 'cpu')
+        assert torch.equal(tokens, idx[:, 9:])
+        assert torch.equal(model.generate(prompt, 13, temperature=0), idx)
 
 
 def test_the_gate_trips_on_corrupted_folded_weights(monkeypatch, capsys):
-    fold_properly = bench.folded_model
+    fold_properly = bench.fold_model
 
     def corrupted(model):
         folded = fold_properly(model)
@@ -50,14 +65,14 @@ def test_the_gate_trips_on_corrupted_folded_weights(monkeypatch, capsys):
             folded.transformer.h[1].mlp.c_fc.weight[:, 3] *= 1.5
         return folded
 
-    monkeypatch.setattr(bench, 'folded_model', corrupted)
+    monkeypatch.setattr(bench, 'fold_model', corrupted)
     with pytest.raises(SystemExit, match='correctness gate failed.*internal_unfused vs internal_folded'):
         bench.main(TINY)
     assert 'tokens/s' not in capsys.readouterr().out  # no speed reported
 
 
 def test_the_gate_compares_greedy_tokens_too(monkeypatch):
-    fold_properly = bench.folded_model
+    fold_properly = bench.fold_model
 
     def corrupted(model):
         folded = fold_properly(model)
@@ -65,10 +80,18 @@ def test_the_gate_compares_greedy_tokens_too(monkeypatch):
             folded.lm_head.weight.mul_(-1)  # the argmax moves; the logits check is switched off below
         return folded
 
-    monkeypatch.setattr(bench, 'folded_model', corrupted)
-    monkeypatch.setattr(bench, 'GATE_RTOL', float('inf'))
+    monkeypatch.setattr(bench, 'fold_model', corrupted)
+    monkeypatch.setattr(fold, 'LOGIT_RTOL', float('inf'))  # the one tolerance, fold.py's
     with pytest.raises(SystemExit, match='internal_folded .eager.: greedy tokens differ from token'):
         bench.main(TINY)
+
+
+def test_the_variants_share_the_baselines_weights():
+    models, all_taper = bench.build_variants(dict(n_layer=2, n_embd=32, n_head=2, vocab_size=128, block_size=64), 0)
+    base = dict(models['baseline'].named_parameters())
+    for model in (models['internal_unfused'], all_taper):
+        shared = [n for n, p in model.named_parameters() if n in base]
+        assert len(shared) > 10 and all(torch.equal(base[n], model.get_parameter(n)) for n in shared)
 
 
 def test_step_bytes_count_the_head_once_and_embedding_rows(capsys):
@@ -78,18 +101,18 @@ def test_step_bytes_count_the_head_once_and_embedding_rows(capsys):
     tied, untied = models['internal_folded'], models['all_folded']
     blocks = sum(p.numel() for p in tied.transformer.h.parameters())
     ln_f = sum(p.numel() for p in tied.transformer.ln_f.parameters())
-    assert bench.step_bytes(tied, B, L, 'decode') == 4 * (blocks + ln_f + V * d + 2 * B * d) + kv
+    assert bench.memory_bytes(tied, B, L)[2] == 4 * (blocks + ln_f + V * d + 2 * B * d) + kv
     head = untied.lm_head.weight.numel() + untied.lm_head.bias.numel() if untied.lm_head.bias is not None \
         else untied.lm_head.weight.numel()
     blocks = sum(p.numel() for p in untied.transformer.h.parameters())
-    assert bench.step_bytes(untied, B, L, 'decode') == 4 * (blocks + head + 2 * B * d) + kv
+    assert bench.memory_bytes(untied, B, L)[2] == 4 * (blocks + head + 2 * B * d) + kv
 
 
 def test_a_checkpoint_is_timed_next_to_a_baseline_of_its_shape(tmp_path, capsys):
     models, _ = bench.build_variants(dict(n_layer=2, n_embd=32, n_head=2, vocab_size=100, block_size=32), 0)
     folded = models['internal_folded']
     path = tmp_path / 'folded.pt'
-    train.save_checkpoint({'model': folded.state_dict(), 'model_args': vars(folded.config)}, str(path))
+    save_checkpoint({'model': folded.state_dict(), 'model_args': vars(folded.config)}, str(path))
     bench.main(TINY + [f'--ckpt={path}'])
     results = {r['variant']: r for r in last_json(capsys)['results']}
     assert results['ckpt_baseline']['speedup_vs_baseline'] == 1.0
@@ -104,9 +127,11 @@ def test_a_checkpoint_is_timed_next_to_a_baseline_of_its_shape(tmp_path, capsys)
 @pytest.mark.parametrize('args, message', [
     (['--size=7M'], "choose one of"),
     (['--prompt_len=500', '--new_tokens=100'], 'exceeds block_size 512'),
-    (['--compile=yes'], "choose 'both'"),
-    (['--mode=prefill'], "choose 'decode' or 'last_token'"),
-    (['--batch_size=0'], 'must be >= 1'),
+    (['--compile=yes'], "choose one of 'both', 'eager', 'compiled'"),
+    (['--batch_size=0'], 'batch_size=0 must be >= 1'),
+    (['--size=', '--n_layer=2'], "--size='' needs --n_head, --n_embd"),
+    (['--size=', '--n_layer=2', '--n_head=3', '--n_embd=32'], 'not divisible by n_head=3'),
+    (['--ckpt_path=x.pt'], "unknown config key 'ckpt_path'; did you mean --ckpt"),
     (['--ckpt=nowhere.pt', '--size=1M', '--compile=eager'], 'not found'),
 ])
 def test_bad_settings_name_the_fix(args, message):
@@ -131,19 +156,25 @@ def test_compiled_path_passes_its_gate_without_recompiling(monkeypatch, capsys):
     torch._dynamo.reset()
 
 
-def test_last_token_mode_accepts_a_prompt_near_the_context(capsys):
-    bench.main(TINY + ['--mode=last_token', '--prompt_len=60', '--new_tokens=100'])
-    assert last_json(capsys)['config']['prompt_len'] == 60
-
-
 def test_a_raw_linear_phase_checkpoint_is_gated_against_its_tapernorm_form(tmp_path, capsys):
     model = bench.linear_phase_model(dict(n_layer=2, n_embd=32, n_head=2, vocab_size=100, block_size=32),
                                      'all', 0)
     path = tmp_path / 'raw.pt'
-    train.save_checkpoint({'model': model.state_dict(), 'model_args': vars(model.config)}, str(path))
+    save_checkpoint({'model': model.state_dict(), 'model_args': vars(model.config)}, str(path))
     bench.main(TINY + [f'--ckpt={path}'])
     out = capsys.readouterr().out
     assert 'phase=linear g=0 (timed unfused)' in out
     assert 'ckpt:raw.pt (TaperNorm) vs ckpt:raw.pt' in out
     with pytest.raises(SystemExit, match="context is 32 tokens: lower --prompt_len"):
         bench.main(TINY + [f'--ckpt={path}', '--prompt_len=20', '--new_tokens=20'])
+
+
+def test_help_prints_every_key_with_its_comment_and_exits_0(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(['-h'])
+    assert e.value.code in (0, None)
+    out = capsys.readouterr().out
+    lines = configurator.defaults_block(vars(bench)).splitlines()
+    keys = configurator.defaults_of(vars(bench))
+    assert len(lines) == len(keys) and all(' # ' in line for line in lines)
+    assert all(any(line.startswith(f'{k} =') for line in out.splitlines()) for k in keys)
