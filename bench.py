@@ -19,7 +19,9 @@ first GATE_TOKENS greedy tokens; compiled, each variant's greedy tokens equal it
 Timing (model.py's decode path, as in GPT.generate): a prefill of --prompt_len tokens (time to
 first token, TTFT), then --new_tokens decode steps; medians of --trials trials after two warm-up
 trials (the first one's extra time is the compile time), the variants interleaved (A B C D A B C D
-...). tokens/s = batch_size · new_tokens / decode time. GB/s: the bytes a decode step reads
+...). A decode step decodes one token of every sequence: ms/step = decode time / new_tokens,
+tokens/s = batch_size · new_tokens / decode time (aggregate), tokens/s/seq = tokens/s / batch_size
+(JSON: ms_per_step, tokens_per_s, tokens_per_s_per_seq). GB/s: the bytes a decode step reads
 (weights, the LM head once, batch_size embedding rows, the whole KV cache) / step time. peak MB
 (CUDA): weights + KV cache + the most a trial allocated on top. fp32 means fp32 (TF32 off).
 The last line printed is one JSON object with the configuration and every result.
@@ -220,7 +222,8 @@ def result_rows(models, reference, times, transient, compile_s, compiled, cfg):
     for n, m in models.items():
         step_s = statistics.median(t[1] for t in times[n]) / cfg.new_tokens
         weights, kv, step = memory_bytes(m, B, cache_len)
-        rows[n] = dict(variant=n, compiled=compiled, tokens_per_s=B / step_s, ms_per_token=1000 * step_s,
+        rows[n] = dict(variant=n, compiled=compiled, ms_per_step=1000 * step_s, tokens_per_s=B / step_s,
+                       tokens_per_s_per_seq=1 / step_s,
                        ttft_ms=1000 * statistics.median(t[0] for t in times[n]),
                        gbps=step / step_s / 1e9, weight_mb=weights / 1e6, kv_mb=kv / 1e6,
                        peak_mb=(weights + kv + transient[n]) / 1e6 if n in transient else None,
@@ -334,11 +337,12 @@ def main(argv):
 
 
 def print_table(results):
-    print(f"\n{'variant':<22} {'compiled':>8} {'tokens/s':>10} {'ms/step':>9} {'TTFT ms':>8} "
+    print(f"\n{'variant':<22} {'compiled':>8} {'ms/step':>9} {'tokens/s':>10} {'tokens/s/seq':>12} {'TTFT ms':>8} "
           f"{'speed-up':>8} {'GB/s':>7} {'weights MB':>10} {'KV MB':>7} {'peak MB':>8}")
     for r in results:
         peak = '-' if r['peak_mb'] is None else f"{r['peak_mb']:8.1f}"
-        print(f"{r['variant']:<22} {str(r['compiled']):>8} {r['tokens_per_s']:>10,.1f} {r['ms_per_token']:>9.3f} "
+        print(f"{r['variant']:<22} {str(r['compiled']):>8} {r['ms_per_step']:>9.3f} {r['tokens_per_s']:>10,.1f} "
+              f"{r['tokens_per_s_per_seq']:>12,.1f} "
               f"{r['ttft_ms']:>8.2f} {r['speedup_vs_baseline']:>7.3f}× {r['gbps']:>7.2f} "
               f"{r['weight_mb']:>10.2f} {r['kv_mb']:>7.2f} {peak:>8}")
     print()

@@ -12,7 +12,8 @@ from model import save_checkpoint
 
 TINY = ['--size=', '--n_layer=2', '--n_embd=32', '--n_head=2', '--vocab_size=128', '--block_size=64',
         '--prompt_len=8', '--new_tokens=8', '--trials=2', '--compile=eager', '--device=cpu']
-FIELDS = {'variant', 'compiled', 'tokens_per_s', 'ms_per_token', 'ttft_ms', 'speedup_vs_baseline', 'gbps'}
+FIELDS = {'variant', 'compiled', 'ms_per_step', 'tokens_per_s', 'tokens_per_s_per_seq', 'ttft_ms',
+          'speedup_vs_baseline', 'gbps'}
 
 
 def last_json(capsys):
@@ -29,7 +30,8 @@ def test_bench_runs_end_to_end_and_ends_with_one_json_line(capsys):
     assert [r['variant'] for r in record['results']] == list(bench.VARIANTS)
     for r in record['results']:
         assert FIELDS <= set(r) and r['compiled'] is False
-        assert r['tokens_per_s'] == pytest.approx(1000 / r['ms_per_token'])  # batch_size 1
+        assert r['tokens_per_s'] == pytest.approx(1000 / r['ms_per_step'])  # batch_size 1
+        assert not any('per_token' in key for key in r)
         assert r['ttft_ms'] > 0 and r['gbps'] > 0
     assert record['results'][0]['speedup_vs_baseline'] == 1.0
 
@@ -37,7 +39,8 @@ def test_bench_runs_end_to_end_and_ends_with_one_json_line(capsys):
 def test_tokens_per_s_counts_every_sequence_of_the_batch(capsys):
     bench.main(TINY + ['--batch_size=3'])
     for r in last_json(capsys)['results']:
-        assert r['tokens_per_s'] == pytest.approx(3 * 1000 / r['ms_per_token'])  # B tokens per step
+        assert r['tokens_per_s'] == pytest.approx(3 * 1000 / r['ms_per_step'])  # B tokens per step
+        assert r['tokens_per_s_per_seq'] == pytest.approx(1000 / r['ms_per_step'])
 
 
 def test_bench_decodes_through_the_generate_path():
