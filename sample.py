@@ -5,8 +5,11 @@ Sample from a trained (or folded) checkpoint with the static KV cache.
     python sample.py --ckpt=internal-folded.pt --start=FILE:prompt.txt --num_samples=3 --temperature=0
 
 Text goes through the dataset's compact vocabulary (meta.json, stored in the checkpoint):
-GPT-2 BPE ids outside it become <unk>. temperature=0 is greedy decoding; top_k=0 keeps every
-token. max_new_tokens=0 fills the checkpoint's context (block_size) after the prompt.
+GPT-2 BPE ids outside it become <unk> (a warning says when more than UNK_WARN of the prompt
+did). The text <|endoftext|> in a prompt is the end-of-text id, the document separator:
+--start='<|endoftext|>' begins a new document, as TinyStories stories begin. temperature=0 is
+greedy decoding; top_k=0 keeps every token. max_new_tokens=0 fills the checkpoint's context
+(block_size) after the prompt.
 """
 
 import sys
@@ -14,7 +17,7 @@ import sys
 import torch
 
 from configurator import ConfigError, configure, resolve_device
-from data.common import decode, encode
+from data.common import decode, encode_prompt
 from model import GPT
 
 # -----------------------------------------------------------------------------
@@ -29,6 +32,8 @@ device = 'auto'             # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda'
 dtype = 'auto'              # 'auto' (bfloat16 weights on CUDA where supported, else float32) | 'float32' | 'bfloat16' | 'float16'
 compile = False             # torch.compile the model (worth it on a GPU for long samples)
 # -----------------------------------------------------------------------------
+
+UNK_WARN = 0.1  # warn when more than this share of the prompt becomes <unk>
 
 
 def read_prompt(start):
@@ -68,7 +73,10 @@ def main(argv):
     if 'gpt2_ids' not in meta:
         raise SystemExit(f"{cfg.ckpt} holds no tokenizer table (meta.json's gpt2_ids): sample.py "
                          "decodes datasets made by data/*/prepare.py")
-    prompt = encode(read_prompt(cfg.start), meta)
+    prompt, unk_rate = encode_prompt(read_prompt(cfg.start), meta)
+    if unk_rate > UNK_WARN:
+        print(f"warning: {unk_rate:.0%} of the prompt's {len(prompt)} tokens are outside the checkpoint's "
+              f"vocabulary and reach the model as <unk>", file=sys.stderr)
     if not prompt:
         raise SystemExit("the prompt is empty: give at least one character with --start")
     block_size = ck['model_args']['block_size']

@@ -386,3 +386,15 @@ def test_no_script_imports_train():
         modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert 'train' not in modules, name
+
+
+def test_sample_starts_from_end_of_text_and_warns_about_unk_prompts(trained, capsys):
+    eot = sample.main([f'--ckpt={trained}', '--start=<|endoftext|>', '--num_samples=1', '--max_new_tokens=5',
+                       '--temperature=0'])
+    assert eot[0].startswith('<|endoftext|>') and len(eot[0]) > len('<|endoftext|>')
+    assert 'warning' not in capsys.readouterr().err
+    sample.main([f'--ckpt={trained}', '--start=Ünïcödé ñøñ-ÅSCII the', '--num_samples=1', '--max_new_tokens=2'])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith('warning: ') and "reach the model as <unk>" in err[0]
+    share = int(err[0].split('%')[0].removeprefix('warning: '))
+    assert 50 <= share < 100  # most of it, but 'the' is in the vocabulary
