@@ -166,7 +166,8 @@ class Encoded(NamedTuple):
     skipped: int          # empty or whitespace-only documents left out (no tokens, no end-of-text)
 
 
-def encode_documents(docs, path, desc="encode", num_proc=NUM_PROC, batch_chars=BATCH_CHARS):
+def encode_documents(docs, path, desc="encode", num_proc=NUM_PROC, batch_chars=BATCH_CHARS,
+                     max_tokens=None):
     """Pass 1: encode an iterable of documents (str) with GPT-2 BPE and write their ids, each
     document followed by end-of-text (50256), to `path` as uint16 (the file is overwritten).
 
@@ -175,14 +176,21 @@ def encode_documents(docs, path, desc="encode", num_proc=NUM_PROC, batch_chars=B
     Streams: the documents are consumed lazily and at most 2 * num_proc batches of ~batch_chars
     characters are in flight, so memory does not grow with the corpus. encode_ordinary never
     emits 50256 (the special token is not in the BPE ranks), so end-of-text ids mark documents.
+    max_tokens: stop taking documents from `docs` once that many tokens are written; the batches
+    already in flight still finish (a few times batch_chars characters at most), so the file can
+    end past max_tokens: cut it at a document end with doc_ends (data/hub_corpus.py does).
     Returns Encoded(doc_ends, skipped). A progress bar counts tokens.
     """
     get_encoder()  # load (and fail, if it must) before forking, so workers inherit it
-    skipped = 0
+    skipped = n = 0
 
     def kept(docs):
         nonlocal skipped
-        for doc in docs:
+        docs = iter(docs)
+        while max_tokens is None or n < max_tokens:  # checked before a document is taken
+            doc = next(docs, None)
+            if doc is None:
+                return
             doc = normalize_newlines(doc)
             if doc.strip():
                 yield doc
@@ -197,9 +205,9 @@ def encode_documents(docs, path, desc="encode", num_proc=NUM_PROC, batch_chars=B
     else:
         pool = multiprocessing.Pool(num_proc)
         results = _bounded_imap(pool, _encode_batch, itertools.chain(head, batches), 2 * num_proc)
-    doc_ends, n = [], 0
+    doc_ends = []
     try:
-        with open(path, "wb") as f, tqdm(desc=desc, unit="tok", unit_scale=True) as bar:
+        with open(path, "wb") as f, tqdm(desc=desc, unit="tok", unit_scale=True, total=max_tokens) as bar:
             for ids in results:
                 doc_ends.append(np.flatnonzero(ids == GPT2_EOT) + (n + 1))
                 ids.tofile(f)
