@@ -176,3 +176,18 @@ def resolve_device(device, dtype='auto'):
     if dtype not in ('float32', 'bfloat16', 'float16'):
         raise SystemExit(f"config error: dtype={dtype!r}: choose 'auto', 'float32', 'bfloat16' or 'float16'")
     return device, dtype
+
+
+def keys_set(argv, defaults, keys, choices=None):
+    """The keys among `keys` that argv's config files or --key=value overrides set, even to their
+    default value: those whose final value does not depend on the default. argv is parsed a second
+    time with each of those defaults changed (bool negated, number + 1, text + a NUL), and a key
+    keeps its value in both parses only if argv gave it. Raises ConfigError as parse_args does."""
+    def other(value):
+        if isinstance(value, bool):
+            return not value
+        return value + 1 if isinstance(value, (int, float)) else value + '\0'
+
+    first = parse_args(argv, defaults, choices)
+    second = parse_args(argv, {**defaults, **{k: other(defaults[k]) for k in keys}}, choices)
+    return {k for k in keys if first[k] == second[k]}

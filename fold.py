@@ -13,6 +13,12 @@ ln_1 folds into attn.c_attn, ln_2 into mlp.c_fc, and (All-Taper) ln_f into the L
 then gets its own weight: the token embedding keeps the old one. The folded model
 (model_args['folded'] = True) runs no normalization op where the tapered norms were.
 
+A FakeLN checkpoint (norm_removal='fakeln', docs/method.md §7) folds the same way, every norm,
+with c = 1/s, γ̃ = γ, β̃ = β, once all its events are done. Until the last one its norms give
+position 0 its own scalar s0: there the map is s/s0 times the map of every other position, and
+a weight matrix acts the same at every position, so such a checkpoint is refused, not folded
+approximately.
+
 The script checks its work: it prints the largest |Δ logit| between the unfolded model at
 g = 0 and the folded one on a batch of validation tokens (random tokens when the dataset is not
 on disk), and writes nothing if that exceeds LOGIT_RTOL of the largest logit (max_logit_error,
@@ -26,7 +32,7 @@ import numpy as np
 import torch
 
 from configurator import ConfigError, configure, resolve_device
-from model import GPT, save_checkpoint
+from model import FAKELN_EVENTS, GPT, GPTConfig, save_checkpoint
 
 # -----------------------------------------------------------------------------
 ckpt = ''           # a train.py checkpoint in the linear phase (g = 0)
@@ -38,7 +44,8 @@ seed = 1337         # picks the check's windows (or its random tokens)
 
 LOGIT_RTOL = 1e-4  # fold.py's check and bench.py's gate: max |Δ logit| <= LOGIT_RTOL · max |logit| (fp32 rounding: ~1e-6)
 FOLD_INTO = {'ln_1': 'attn.c_attn', 'ln_2': 'mlp.c_fc', 'ln_f': 'lm_head'}  # a norm -> the layer it feeds
-NORM_KEYS = ('weight', 'bias', 'weight_tilde', 'bias_tilde', 'c', 'calib_num', 'calib_den')
+NORM_KEYS = ('weight', 'bias', 'weight_tilde', 'bias_tilde', 'c', 'calib_num', 'calib_den',
+             'std', 'std_first', 'window')  # TaperNorm's and FakeNorm's state
 
 
 class FoldError(ValueError):
@@ -49,13 +56,41 @@ class CheckError(RuntimeError):
     """Two models that must compute the same logits (or tokens) do not."""
 
 
+def is_fakeln(model_args):
+    return model_args.get('norm_removal', 'none') == 'fakeln'  # older checkpoints lack the key
+
+
 def fold_pairs(model_args):
-    """State-dict prefixes (norm, linear layer) of every tapered norm, in forward order."""
+    """State-dict prefixes (norm, linear layer) of every tapered (or FakeLN) norm, in forward order."""
     pairs = [(f'transformer.h.{i}.{ln}', f'transformer.h.{i}.{FOLD_INTO[ln]}')
              for i in range(model_args['n_layer']) for ln in ('ln_1', 'ln_2')]
-    if model_args['taper'] == 'all':
+    if model_args['taper'] == 'all' or is_fakeln(model_args):
         pairs.append(('transformer.ln_f', FOLD_INTO['ln_f']))
     return pairs
+
+
+def check_fakeln(state_dict, model_args):
+    """FoldError unless every FakeLN norm is removed and position 0 has no scalar of its own."""
+    stage = state_dict['fakeln_stage'].item()
+    if stage < len(FAKELN_EVENTS) - 1:
+        raise FoldError(f"FakeLN has done {stage} of its {len(FAKELN_EVENTS)} events: "
+                        f"{', '.join(FAKELN_EVENTS[stage:-1])} still normalize. Train past "
+                        f"{len(FAKELN_EVENTS)} × fakeln_interval: the ckpt.pt of a finished run folds")
+    first = [norm for norm, _ in fold_pairs(model_args)
+             if not torch.equal(state_dict[f'{norm}.std_first'], state_dict[f'{norm}.std'])]
+    if first:
+        raise FoldError(f"FakeLN's position 0 still has its own scalar s0 != s in {len(first)} norms "
+                        f"({first[0].removeprefix('transformer.')}, ...): there the map is s/s0 times the "
+                        "map of every other position, which no weight matrix (the same at every position) "
+                        f"holds. Train past {len(FAKELN_EVENTS)} × fakeln_interval: the last event sets s0 = s")
+
+
+def linear_branch(sd, norm, model_args):
+    """(c·γ̃, β̃ or None) of a norm at g = 0, in fp32; for a removed FakeLN norm (1/s · γ, β)."""
+    if is_fakeln(model_args):
+        beta = sd.get(f'{norm}.bias')
+        return sd[f'{norm}.weight'].float() / sd[f'{norm}.std'].float(), beta
+    return sd[f'{norm}.c'].float() * sd[f'{norm}.weight_tilde'].float(), sd.get(f'{norm}.bias_tilde')
 
 
 @torch.no_grad()
@@ -66,15 +101,17 @@ def fold_state_dict(state_dict, model_args):
     model_args: its GPTConfig fields. Returns (new state dict, new model_args with
     folded=True); the inputs are not modified and the tensors keep their dtypes.
     Raises FoldError for a model with nothing tapered, an already folded one, or one whose
-    gate is not 0 (its phase and g are named).
+    gate is not 0 (its phase and g are named); for FakeLN, one before its last event (check_fakeln).
     """
     if model_args.get('folded'):
         raise FoldError("this checkpoint is already folded: pass the checkpoint train.py wrote")
-    if model_args['taper'] == 'none':
+    if is_fakeln(model_args):
+        check_fakeln(state_dict, model_args)
+    elif model_args['taper'] == 'none':
         raise FoldError("nothing to fold: the checkpoint is a baseline (taper='none'); its norms "
                         "normalize every token. Train with --taper=internal or --taper=all")
-    g = state_dict['gate'].item()
-    if not state_dict['calibrated'].item() or g != 0:
+    elif not state_dict['calibrated'].item() or state_dict['gate'].item() != 0:
+        g = state_dict['gate'].item()
         phase = 'taper' if state_dict['calibrated'].item() else 'warmup'
         raise FoldError(f"the checkpoint is in the {phase} phase (g = {g:.6g}); only the linear "
                         "phase (g = 0) folds exactly. Train past gate_warmup_iters + taper_iters: "
@@ -82,13 +119,12 @@ def fold_state_dict(state_dict, model_args):
     sd = dict(state_dict)
     layernorm = model_args['norm'] == 'layernorm'
     for norm, linear in fold_pairs(model_args):
-        a = sd[f'{norm}.c'].float() * sd[f'{norm}.weight_tilde'].float()  # c·γ̃, (in,)
+        a, beta = linear_branch(sd, norm, model_args)  # c·γ̃ (in,), β̃
         W = sd[f'{linear}.weight']
         A = W.float() * a  # W · diag(c·γ̃): scales the columns
         if layernorm:  # absorb P = I − 11ᵀ/d: every row of W' sums to zero
             A = A - A.mean(dim=1, keepdim=True)
         sd[f'{linear}.weight'] = A.to(W.dtype)  # a new tensor: a tied embedding keeps its weight
-        beta = sd.get(f'{norm}.bias_tilde')
         if beta is not None:  # LN kind with bias: b' = b + W β̃, with the original W
             b = sd.get(f'{linear}.bias')
             shift = W.float() @ beta.float()
@@ -177,12 +213,13 @@ def main(argv):
     save_checkpoint(out_ckpt, cfg.out)
 
     (p0, b0), (p1, b1) = model_size(unfolded), model_size(folded)
-    print(f"folded {len(names)} {ck['model_args']['norm']} norms ({ck['model_args']['taper']}-taper): "
+    how = 'FakeLN' if is_fakeln(ck['model_args']) else f"{ck['model_args']['taper']}-taper"
+    print(f"folded {len(names)} {ck['model_args']['norm']} norms ({how}): "
           f"{names[0].removeprefix('transformer.')} .. {names[-1].removeprefix('transformer.')}")
     print(f"max |Δ logit| unfolded (g = 0) vs folded: {diff:.3e}  (max |logit| {scale:.2f}; "
           f"{tokens.numel():,} positions of {source})")
     print(f"parameters {p0:,} -> {p1:,} ({p1 - p0:+,}) | bytes {b0:,} -> {b1:,} ({b1 - b0:+,})")
-    if ck['model_args']['taper'] == 'all':
+    if GPTConfig(**args).untied_head():
         print("the LM head now has its own weight (untied from the token embedding)")
     print(f"wrote {cfg.out}")
     return dict(max_abs_logit_diff=diff, max_abs_logit=scale, params=(p0, p1), bytes=(b0, b1))

@@ -20,14 +20,18 @@ Everything the method adds lives here, each in one place:
 - `TaperScale`, `GPT.unfused`   g = 0 kept as one precomputed multiply         (docs/method.md §5)
 - `GPTConfig.folded`            a model whose tapered norms fold.py merged away (docs/method.md §5;
                                 the arithmetic is fold.py's `fold_state_dict`)
+- `FakeNorm`, `GPT.remove_norms` the FakeLN baseline: σ(h) replaced by fixed scalars   (docs/method.md §7)
+- `GPT.from_pretrained`, `export_gpt2`
+                                GPT-2 weights in and out through Hugging Face transformers (§7)
 
 Inference has one decode path, as in gpt-fast: a static, preallocated KV cache per layer
 (`KVCache`, `GPT.setup_caches`), `prefill` of the prompt, then `decode_one_token` steps
 (`decode_n_tokens`) whose tensor shapes never change, the position a tensor advanced in place,
 so a compiled decode step never recompiles. `GPT.generate`, sample.py and bench.py all use it.
 
-Module names follow GPT-2 (transformer.wte/wpe/h.N.ln_1/attn.c_attn/...); GPT-2's released
-weights would still need converting (its Conv1D layers store W transposed).
+Module names follow GPT-2 (transformer.wte/wpe/h.N.ln_1/attn.c_attn/...); `GPT.from_pretrained`
+loads GPT-2's released weights (its Conv1D layers store W transposed) and `export_gpt2` writes them
+back, both through Hugging Face transformers, an optional dependency imported only there.
 """
 
 import math
@@ -42,6 +46,10 @@ import torch.nn.functional as F
 NORMS = ('rmsnorm', 'layernorm')
 TAPERS = ('none', 'internal', 'all')
 PHASES = ('warmup', 'taper', 'linear')  # 'baseline' is the phase of a model with taper='none'
+ACTIVATIONS = ('gelu', 'gelu_tanh')  # the MLP's GELU: exact (erf) | tanh approximation (GPT-2's gelu_new)
+NORM_REMOVALS = ('none', 'fakeln')
+# what FakeLN's removal events remove, in order (docs/method.md §7): event k is due at k · fakeln_interval
+FAKELN_EVENTS = ('ln_2', 'ln_1', 'ln_f', 'first_position')
 # the model ladder of docs/method.md §6 (vocabulary 10k, context 512, tied head), shared by config/ and bench.py
 LADDER = {'1M': dict(n_layer=8, n_embd=64, n_head=2), '3M': dict(n_layer=8, n_embd=128, n_head=4),
           '9M': dict(n_layer=8, n_embd=256, n_head=4), '30M': dict(n_layer=8, n_embd=512, n_head=8)}
@@ -61,13 +69,22 @@ class GPTConfig:
     taper: str = 'none'         # 'none' (baseline) | 'internal' (ln_1, ln_2) | 'all' (+ ln_f)
     aux_weight: float = 0.0     # λ of L_aux (docs/method.md §4); 0 disables it
     norm_eps: float = 1e-5      # ε, passed explicitly to every norm
-    folded: bool = False        # the tapered norms were folded into the next linear layers (fold.py)
+    activation: str = 'gelu'    # the MLP's GELU: 'gelu' (exact) | 'gelu_tanh' (GPT-2's gelu_new)
+    norm_removal: str = 'none'  # 'none' | 'fakeln': the FakeLN baseline (docs/method.md §7), taper='none'
+    folded: bool = False        # the tapered (or FakeLN) norms were folded into the next linear layers (fold.py)
 
     def __post_init__(self):
         if self.norm not in NORMS:
             raise ValueError(f"norm={self.norm!r}: choose one of {NORMS}")
         if self.taper not in TAPERS:
             raise ValueError(f"taper={self.taper!r}: choose one of {TAPERS}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r}: choose one of {ACTIVATIONS}")
+        if self.norm_removal not in NORM_REMOVALS:
+            raise ValueError(f"norm_removal={self.norm_removal!r}: choose one of {NORM_REMOVALS}")
+        if self.norm_removal != 'none' and self.taper != 'none':
+            raise ValueError(f"norm_removal={self.norm_removal!r} is a baseline of its own: it needs "
+                             f"taper='none' (got taper={self.taper!r})")
         for key in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd'):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
@@ -82,12 +99,19 @@ class GPTConfig:
         if self.aux_weight > 0 and self.taper == 'none':
             raise ValueError("aux_weight > 0 needs taper='internal' or 'all': the baseline's "
                              "final norm already anchors the scale; set aux_weight=0")
-        if self.folded and self.taper == 'none':
-            raise ValueError("folded=True needs taper='internal' or 'all': only tapered norms fold")
+        if self.folded and self.taper == 'none' and self.norm_removal == 'none':
+            raise ValueError("folded=True needs taper='internal' or 'all' (or norm_removal='fakeln'): "
+                             "only tapered or removed norms fold")
+
+    def removable(self, final):
+        """True for a norm that becomes a fixed linear map (a TaperNorm or a FakeNorm), which fold.py
+        can merge into the next linear layer; final: ln_f rather than a block's ln_1 / ln_2."""
+        return (self.norm_removal == 'fakeln' or self.taper == 'all'
+                or (self.taper == 'internal' and not final))
 
     def untied_head(self):
         """True when ln_f was folded into the LM head, which then has its own weight (docs/method.md §5)."""
-        return self.folded and self.taper == 'all'
+        return self.folded and self.removable(final=True)
 
 
 @dataclass
@@ -149,7 +173,7 @@ class Norm(nn.Module):
             return F.rms_norm(h, (h.size(-1),), self.weight, self.eps)
         return F.layer_norm(h, (h.size(-1),), self.weight, self.bias, self.eps)
 
-    def forward(self, h, gate=None):
+    def forward(self, h, gate=None, pos=None):
         return self.normalize(h)
 
 
@@ -202,7 +226,7 @@ class TaperNorm(Norm):
         self.step_num += (x2 / norm_scale(x, 'rmsnorm', self.eps)).mean(0)  # x is centred already
         self.step_den += x2.mean(0)
 
-    def forward(self, h, gate):
+    def forward(self, h, gate, pos=None):
         if self.phase == 'warmup':
             y = self.normalize(h)
             if self.collect is not None:
@@ -229,7 +253,7 @@ class TaperScale(nn.Module):
             bias = taper_norm.bias_tilde
             self.register_buffer('bias', None if bias is None else bias.detach().clone())  # β̃
 
-    def forward(self, h, gate=None):
+    def forward(self, h, gate=None, pos=None):
         y = norm_input(h, self.kind) * self.scale
         return y if self.bias is None else y + self.bias
 
@@ -254,9 +278,60 @@ class RadialCos(torch.autograd.Function):
         return grad, F.cosine_similarity(grad.float(), h.float(), dim=-1).mean()
 
 
-def apply_norm(norm, x, gate):
-    """norm(x, gate), or x itself where fold.py merged the norm into the next linear layer."""
-    return x if norm is None else norm(x, gate)
+class FakeNorm(Norm):
+    """FakeLN (Heimersheim 2024; Baroni et al. 2025, arXiv 2507.02559), the norm-removal baseline
+    (docs/method.md §7): once removed, the norm divides by fixed scalars instead of σ(h):
+
+        before removal:  N(h) = (P h / σ(h)) ⊙ γ + β       (the ordinary norm; RMS kind: h, r(h), no β)
+        after:           F(h) = (P h / s) ⊙ γ + β          s = `std`; at position 0, s0 = `std_first`
+
+    s and s0 are the token means of σ(h) at positions ≥ 1 and at position 0 over the training
+    forwards since the previous removal, measured on the model's own activations (`GPT.remove_norms`).
+    F is a fixed linear map at every position ≥ 1, so it folds like a linear-phase TaperNorm with
+    c = 1/s, γ̃ = γ, β̃ = β; at position 0 it is s/s0 times that map, which no weight matrix (the
+    same at every position) holds: the last FakeLN event sets s0 = s (docs/method.md §7).
+
+    `removed` and `first_position` are Python attributes set by GPT._sync_fakeln (as TaperNorm.phase):
+    a compiled model recompiles at a removal event, never per step. Buffers: std, std_first (scalars),
+    window (Σ σ at positions ≥ 1, their count, Σ σ at position 0, its count, since the previous
+    removal: identical on every rank), step_sums (the same for this optimizer step, this rank's,
+    not saved). A training-mode forward before removal adds to step_sums.
+    h: (B, T, d) -> (B, T, d); pos: (T,) positions of h, None for 0 .. T−1.
+    """
+
+    def __init__(self, d, kind, bias, eps):
+        super().__init__(d, kind, bias, eps)
+        self.register_buffer('std', torch.ones(()))
+        self.register_buffer('std_first', torch.ones(()))
+        self.register_buffer('window', torch.zeros(4))
+        self.register_buffer('step_sums', torch.zeros(4), persistent=False)
+        self.removed = False
+        self.first_position = True
+
+    @torch.no_grad()
+    def observe(self, h):
+        """Add this forward's sums of σ(h) (fp32) at positions ≥ 1 and at position 0 to step_sums."""
+        s = norm_scale(h.float(), self.kind, self.eps)[..., 0]  # (B, T)
+        first = s[:, 0]
+        self.step_sums += torch.stack([s.sum() - first.sum(), s.new_full((), s.numel() - first.numel()),
+                                       first.sum(), s.new_full((), first.numel())])
+
+    def forward(self, h, gate=None, pos=None):
+        if not self.removed:
+            if self.training:
+                self.observe(h)
+            return self.normalize(h)
+        s = self.std
+        if self.first_position:
+            pos = torch.arange(h.size(-2), device=h.device) if pos is None else pos
+            s = torch.where(pos[:, None] == 0, self.std_first, self.std)  # (T, 1)
+        y = norm_input(h, self.kind) / s * self.weight
+        return y if self.bias is None else y + self.bias
+
+
+def apply_norm(norm, x, gate, pos=None):
+    """norm(x, gate, pos), or x itself where fold.py merged the norm into the next linear layer."""
+    return x if norm is None else norm(x, gate, pos)
 
 
 class KVCache(nn.Module):
@@ -366,9 +441,10 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
+        self.approximate = 'tanh' if config.activation == 'gelu_tanh' else 'none'  # F.gelu's names
 
     def forward(self, x):
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate)))
 
 
 class Block(nn.Module):
@@ -380,9 +456,9 @@ class Block(nn.Module):
         self.ln_2 = make_norm()
         self.mlp = MLP(config)
 
-    def forward(self, x, gate, input_pos=None, mask=None):
-        x = x + self.attn(apply_norm(self.ln_1, x, gate), input_pos, mask)
-        x = x + self.mlp(apply_norm(self.ln_2, x, gate))
+    def forward(self, x, gate, input_pos=None, mask=None, pos=None):
+        x = x + self.attn(apply_norm(self.ln_1, x, gate, pos), input_pos, mask)
+        x = x + self.mlp(apply_norm(self.ln_2, x, gate, pos))
         return x
 
 
@@ -401,10 +477,11 @@ class GPT(nn.Module):
         kind, eps = config.norm, config.norm_eps
 
         def make_norm(final=False):
-            tapered = config.taper == 'all' or (config.taper == 'internal' and not final)
-            if tapered and config.folded:
+            if not config.removable(final):
+                return Norm(config.n_embd, kind, config.bias, eps)
+            if config.folded:
                 return None  # merged into the next linear layer by fold.py
-            return (TaperNorm if tapered else Norm)(config.n_embd, kind, config.bias, eps)
+            return (FakeNorm if config.norm_removal == 'fakeln' else TaperNorm)(config.n_embd, kind, config.bias, eps)
 
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
@@ -427,6 +504,9 @@ class GPT(nn.Module):
             self.register_buffer('s_tgt', torch.zeros(()))
             self.register_buffer('step_hidden_rms', torch.zeros(()), persistent=False)
             self.register_buffer('step_micro', torch.zeros(()), persistent=False)
+        if config.norm_removal == 'fakeln':  # FakeLN's removal events so far (docs/method.md §7)
+            self.register_buffer('fakeln_stage', torch.zeros((), dtype=torch.long))
+            self.register_load_state_dict_post_hook(lambda module, keys: module._sync_fakeln())
         self.last_metrics = None
         self.collect = None  # see set_collect
         self.register_buffer('radial_sink', torch.zeros((), requires_grad=True), persistent=False)
@@ -592,6 +672,62 @@ class GPT(nn.Module):
             raise RuntimeError("branch_mismatch() before any forward under set_collect('mismatch')")
         return {name: (err / ref).sqrt().item() for (name, _), (err, ref) in zip(norms, sums)}
 
+    # ---- FakeLN: the norm-removal baseline (docs/method.md §7) -------------------------------
+
+    def fakenorms(self, kind=None):
+        """(name, FakeNorm) pairs, e.g. ('h.0.ln_2', ...), in forward order; kind: 'ln_1', 'ln_2',
+        'ln_f' or None for all."""
+        return [(n.removeprefix('transformer.'), m) for n, m in self.named_modules()
+                if isinstance(m, FakeNorm) and kind in (None, n.rpartition('.')[2])]
+
+    def _sync_fakeln(self):
+        """Set every FakeNorm's code path from the buffer fakeln_stage (after loading a checkpoint too)."""
+        stage = int(self.fakeln_stage)
+        for name, m in self.fakenorms():
+            m.removed = FAKELN_EVENTS.index(name.rpartition('.')[2]) < stage
+            m.first_position = stage < len(FAKELN_EVENTS)
+
+    @torch.no_grad()
+    def fakeln_step(self):
+        """After every optimizer step: add the step's σ sums of every norm not yet removed,
+        all-reduced over ranks (so every rank holds the same window), to its window."""
+        live = [m for _, m in self.fakenorms() if not m.removed]
+        if live:
+            for m, total in zip(live, self._take_sums([m.step_sums for m in live])):
+                m.window += total
+
+    @torch.no_grad()
+    def remove_norms(self):
+        """FakeLN's next removal event (docs/method.md §7), FAKELN_EVENTS[fakeln_stage]:
+        'ln_2' / 'ln_1' / 'ln_f': in every block (or the final norm), s ← the mean σ(h) at positions
+          ≥ 1 and s0 ← the mean σ(h) at position 0 over the window since the previous event, and
+          the norm divides by them from now on;
+        'first_position': s0 ← s in every norm, so position 0 is no longer special and the model folds.
+        Every window restarts. Returns {'removed': what, 'std': {name: s}, 'std_first': {name: s0}}.
+        Raises RuntimeError after the last event, or when a norm measured nothing in its window.
+        """
+        stage = int(self.fakeln_stage)
+        if stage >= len(FAKELN_EVENTS):
+            raise RuntimeError("every FakeLN removal event has happened already")
+        what = FAKELN_EVENTS[stage]
+        norms = self.fakenorms(None if what == 'first_position' else what)
+        for name, m in norms:
+            if what == 'first_position':
+                m.std_first.copy_(m.std)
+                continue
+            total, n, first, n_first = m.window.tolist()
+            if n_first == 0:
+                raise RuntimeError(f"{name}: no training-mode forward measured σ(h) since the previous "
+                                   "FakeLN event (call fakeln_step() after each optimizer step)")
+            m.std.fill_(total / n if n else first / n_first)  # a context of 1 has position 0 only
+            m.std_first.fill_(first / n_first)
+        for _, m in self.fakenorms():
+            m.window.zero_()
+        self.fakeln_stage += 1
+        self._sync_fakeln()
+        return {'removed': what, 'std': {n: m.std.item() for n, m in norms},
+                'std_first': {n: m.std_first.item() for n, m in norms}}
+
     # ---- forward ------------------------------------------------------------------------
 
     def forward(self, idx, targets=None, input_pos=None):
@@ -620,10 +756,10 @@ class GPT(nn.Module):
             pos, mask = input_pos, self.causal_mask[None, None, input_pos]  # (1, 1, T, T_max)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
-            x = block(x, self.gate, input_pos, mask)
+            x = block(x, self.gate, input_pos, mask, pos)
 
         if targets is None:  # generation: no loss, no statistics, only the last position
-            return self.lm_head(apply_norm(self.transformer.ln_f, x[:, [-1], :], self.gate)), None
+            return self.lm_head(apply_norm(self.transformer.ln_f, x[:, [-1], :], self.gate, pos[-1:])), None
 
         tapering = self.config.taper != 'none'
         aux_on = tapering and self.config.aux_weight > 0 and self.phase in ('taper', 'linear')
@@ -637,7 +773,7 @@ class GPT(nn.Module):
 
         if torch.is_grad_enabled():  # backward leaves mean cos(∂CE/∂h, h) in radial_sink.grad
             x = RadialCos.apply(x, self.radial_sink)  # below this point only CE depends on x
-        logits = self.lm_head(apply_norm(self.transformer.ln_f, x, self.gate))  # (B, T, V)
+        logits = self.lm_head(apply_norm(self.transformer.ln_f, x, self.gate, pos))  # (B, T, V)
         ce = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         ln_f = self.transformer.ln_f
         self.last_metrics = ForwardMetrics(
@@ -727,6 +863,39 @@ class GPT(nn.Module):
         return model.eval()
 
     @classmethod
+    def from_pretrained(cls, name_or_folder, overrides=None):
+        """A GPT holding a GPT-2 checkpoint's weights: a GPT2_MODELS name (downloaded by
+        transformers) or a folder with a transformers GPT-2 checkpoint (config.json + weights).
+        The shape comes from its config; overrides (GPTConfig fields) as in pretrained_args: the
+        position embedding is cropped to a smaller block_size; taper / aux_weight / norm_removal /
+        dropout apply on top, so a gate warmup calibrates c on the pretrained model's activations.
+        Conv1D weights are transposed. Raises PretrainedError with a one-line message.
+        """
+        args = pretrained_args(name_or_folder, overrides)
+        tf = _transformers()
+        try:
+            hf = tf.GPT2LMHeadModel.from_pretrained(GPT2_HUB.get(name_or_folder, name_or_folder))
+        except Exception as e:  # no weights, offline, corrupt files: one line
+            raise PretrainedError(f"cannot load the weights of {name_or_folder} ({_first_line(e)}); "
+                                  "offline, pass a folder holding config.json and the weights") from None
+        model = cls(GPTConfig(**args))
+        sd = {}
+        for key, value in hf.state_dict().items():
+            if key.endswith(('.attn.bias', '.attn.masked_bias')):  # causal-mask buffers of older versions
+                continue
+            if key.endswith(CONV1D_WEIGHTS):
+                value = value.t()
+            sd[key] = value[:args['block_size']] if key == 'transformer.wpe.weight' else value
+        sd.setdefault('lm_head.weight', sd['transformer.wte.weight'])  # tied
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        # what GPT-2 lacks is TaperNorm's / FakeNorm's own state (γ̃, β̃, c, s, ...) and the model's buffers
+        missing = [k for k in missing if k.rpartition('.')[2] in ('weight', 'bias')]
+        if missing or unexpected:
+            raise PretrainedError(f"{name_or_folder} does not fit a GPT-2 of its config: missing "
+                                  f"{missing[:3]}, unexpected {unexpected[:3]}")
+        return model
+
+    @classmethod
     def from_checkpoint(cls, path, device='cpu'):
         """Load a train.py or fold.py checkpoint for inference: returns (model in eval mode,
         in the phase its buffers imply, the checkpoint dict). Errors as load_checkpoint."""
@@ -743,6 +912,130 @@ class GPT(nn.Module):
         groups = [{'params': decay, 'weight_decay': weight_decay},
                   {'params': no_decay, 'weight_decay': 0.0}]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
+
+
+# ---- GPT-2 in and out through Hugging Face transformers (optional: imported only here) ------------
+
+GPT2_MODELS = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
+GPT2_HUB = {name: f'openai-community/{name}' for name in GPT2_MODELS}  # their Hugging Face hub names
+GPT2_ACTIVATIONS = {'gelu_new': 'gelu_tanh', 'gelu_pytorch_tanh': 'gelu_tanh', 'gelu': 'gelu'}  # transformers -> ours
+# GPTConfig fields a pretrained checkpoint fixes (block_size may be smaller: the position embedding is cropped)
+PRETRAINED_SHAPE = ('n_layer', 'n_head', 'n_embd', 'vocab_size', 'bias', 'norm', 'norm_eps', 'activation')
+CONV1D_WEIGHTS = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')  # stored (in, out)
+
+
+class PretrainedError(ValueError):
+    """A GPT-2 checkpoint that cannot be loaded, or a model that cannot be exported as one; the
+    message says why and what to do."""
+
+
+def _first_line(e):
+    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)[:200]
+
+
+def _transformers():
+    """The transformers module; PretrainedError saying how to install it when it is missing."""
+    try:
+        import transformers
+    except ImportError:
+        raise PretrainedError("GPT-2 checkpoints are read and written through Hugging Face "
+                              "transformers, which is not installed: pip install transformers") from None
+    return transformers
+
+
+def pretrained_config(name_or_folder):
+    """GPTConfig fields of a GPT-2 checkpoint from its config alone (no weights are read): n_layer,
+    n_head, n_embd, vocab_size, block_size = n_positions, bias=True, norm='layernorm', norm_eps =
+    layer_norm_epsilon, activation from activation_function. Raises PretrainedError for a name that
+    is neither a GPT2_MODELS name nor a folder with config.json, an unreadable config, or a
+    variant this GPT cannot hold (another model type, n_inner ≠ 4·n_embd, other attention scaling,
+    cross-attention, an untied head)."""
+    if name_or_folder not in GPT2_HUB and not os.path.isfile(os.path.join(name_or_folder, 'config.json')):
+        raise PretrainedError(f"{name_or_folder!r} is neither a GPT-2 name ({', '.join(GPT2_MODELS)}) nor a "
+                              "folder holding a transformers GPT-2 checkpoint (config.json + weights)")
+    tf = _transformers()
+    try:
+        hf = tf.AutoConfig.from_pretrained(GPT2_HUB.get(name_or_folder, name_or_folder))
+    except Exception as e:
+        raise PretrainedError(f"cannot read the config of {name_or_folder} ({_first_line(e)}); offline, "
+                              "pass a folder holding config.json and the weights") from None
+    if not isinstance(hf, tf.GPT2Config):
+        raise PretrainedError(f"{name_or_folder} holds a {type(hf).__name__}, not a GPT-2 (GPT2Config)")
+    unsupported = [f"{key}={value!r}" for key, value, ok in (
+        ('activation_function', hf.activation_function, hf.activation_function in GPT2_ACTIVATIONS),
+        ('n_inner', hf.n_inner, hf.n_inner in (None, 4 * hf.n_embd)),
+        ('scale_attn_weights', hf.scale_attn_weights, hf.scale_attn_weights),
+        ('scale_attn_by_inverse_layer_idx', hf.scale_attn_by_inverse_layer_idx, not hf.scale_attn_by_inverse_layer_idx),
+        ('add_cross_attention', hf.add_cross_attention, not hf.add_cross_attention),
+        ('tie_word_embeddings', hf.tie_word_embeddings, hf.tie_word_embeddings)) if not ok]
+    if unsupported:
+        raise PretrainedError(f"{name_or_folder} is a GPT-2 variant this model cannot hold: {', '.join(unsupported)}")
+    return dict(n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd, vocab_size=hf.vocab_size,
+                block_size=hf.n_positions, bias=True, norm='layernorm', norm_eps=hf.layer_norm_epsilon,
+                activation=GPT2_ACTIVATIONS[hf.activation_function])
+
+
+def pretrained_args(name_or_folder, overrides=None):
+    """GPTConfig fields for a GPT-2 checkpoint (pretrained_config) with `overrides` on top. A key
+    of PRETRAINED_SHAPE must agree with the checkpoint; block_size may be at most n_positions
+    (a smaller one crops the position embedding); any other field (taper, aux_weight,
+    norm_removal, dropout, ...) applies. Raises PretrainedError naming both values."""
+    args = pretrained_config(name_or_folder)
+    context = args['block_size']
+    for key, value in (overrides or {}).items():
+        if key == 'block_size' and value > context:
+            raise PretrainedError(f"block_size={value} exceeds {name_or_folder}'s context n_positions={context}; "
+                                  f"use at most {context} (a smaller one crops the position embedding)")
+        if key in PRETRAINED_SHAPE and value != args[key]:
+            fix = ("prepare the dataset with the full GPT-2 vocabulary (--vocab_size=0)" if key == 'vocab_size'
+                   else f"leave {key} out to take it from the pretrained model")
+            raise PretrainedError(f"{key}={value!r} contradicts {name_or_folder}'s {key}={args[key]!r}: {fix}")
+        args[key] = value
+    try:
+        GPTConfig(**args)
+    except (TypeError, ValueError) as e:
+        raise PretrainedError(str(e)) from None
+    return args
+
+
+@torch.no_grad()
+def export_gpt2(model, folder):
+    """Write a model that still normalizes (a baseline, or a TaperNorm model in its gate warmup, or
+    FakeLN before its first removal) as a transformers GPT-2 folder (save_pretrained: config.json
+    and the weights), the inverse of GPT.from_pretrained: loading the folder gives the same logits.
+    Conv1D weights are stored transposed; a model without biases gets zero biases. Raises
+    PretrainedError for a model GPT-2 cannot express: RMSNorm, folded, tapered (taper or linear
+    phase), or FakeLN after a removal."""
+    c = model.config
+    stage = int(model.fakeln_stage) if c.norm_removal == 'fakeln' else 0
+    reason = ("its norms are RMSNorm; GPT-2 normalizes with LayerNorm" if c.norm != 'layernorm' else
+              "it is folded: its norms were merged into the next weights" if c.folded else
+              f"it is in the {model.phase} phase (g = {model.gate.item():.4g}): its tapered norms no longer "
+              "normalize" if model.phase in ('taper', 'linear') else
+              f"FakeLN has removed {FAKELN_EVENTS[stage - 1]} (and what came before): those norms no longer "
+              "normalize" if stage else None)
+    if reason:
+        raise PretrainedError(f"cannot export as GPT-2: {reason}; export a baseline, or a checkpoint "
+                              "from the gate warmup or before the first FakeLN removal")
+    tf = _transformers()
+    eot = 50256 if c.vocab_size == 50257 else None  # GPT-2's <|endoftext|>, only in its own vocabulary
+    hf = tf.GPT2LMHeadModel(tf.GPT2Config(
+        vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
+        layer_norm_epsilon=c.norm_eps, activation_function='gelu_new' if c.activation == 'gelu_tanh' else 'gelu',
+        resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout, tie_word_embeddings=True,
+        bos_token_id=eot, eos_token_id=eot))
+    ours = model.state_dict()
+    sd = {}
+    for key, target in hf.state_dict().items():
+        value = target if key.endswith(('.attn.bias', '.attn.masked_bias')) else ours.get(key)  # mask buffers
+        if value is None and key.endswith('bias') and not c.bias:
+            value = torch.zeros_like(target)
+        if value is None:
+            raise PretrainedError(f"cannot export as GPT-2: the model has no {key}")
+        sd[key] = (value.t() if key.endswith(CONV1D_WEIGHTS) else value).float().contiguous()
+    hf.load_state_dict(sd)
+    hf.save_pretrained(folder)
+    return folder
 
 
 def save_checkpoint(obj, path):

@@ -5,6 +5,7 @@ Train a GPT whose norms taper away: one script for all four phases (docs/method.
     python train.py config/tinystories_internal_taper.py config/cpu.py     # 2-core CPU, austen
     python train.py config/tinystories_internal_taper.py config/cpu.py --init_from=resume
     torchrun --standalone --nproc_per_node=2 train.py config/...           # DDP (nccl / gloo)
+    python train.py config/finetune_gpt2_internal_taper.py                 # GPT-2 fine-tuning (init_from='gpt2')
     python train.py -h                                                     # every key
 
 Configuration (configurator.py): the defaults below, then each config file (plain Python,
@@ -18,6 +19,13 @@ The schedule, with 0-based iterations, W = gate_warmup_iters and T = taper_iters
     linear      it ≥ W + T      g = 0; the normalizing branch is skipped
 
 taper='none' is the RMSNorm/LayerNorm baseline; its phase is logged as 'baseline'.
+norm_removal='fakeln' is the FakeLN baseline (docs/method.md §7): before iteration
+k · fakeln_interval (k = 1 .. 4) it removes ln_2, then ln_1, then ln_f, then the first position's
+own scalar; each event is logged.
+
+init_from='gpt2' (or gpt2-medium, -large, -xl, or a folder holding a transformers GPT-2 checkpoint)
+starts from GPT-2's weights (model.GPT.from_pretrained): the model shape comes from its config,
+except keys set explicitly, which must agree with it.
 """
 
 import json
@@ -38,8 +46,9 @@ try:
 except ImportError:
     fcntl = None
 
-from configurator import ConfigError, check_compiler, configure, defaults_of, parse_args, resolve_device
-from model import GPT, GPTConfig, load_checkpoint, save_checkpoint
+from configurator import ConfigError, check_compiler, configure, defaults_of, keys_set, parse_args, resolve_device
+from model import (FAKELN_EVENTS, GPT, GPT2_MODELS, PRETRAINED_SHAPE, GPTConfig, PretrainedError, load_checkpoint,
+                   pretrained_args, save_checkpoint)
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -48,7 +57,7 @@ REPO = os.path.dirname(os.path.abspath(__file__))
 dataset = 'tinystories'     # reads data_dir/dataset/{train.bin,val.bin,meta.json}
 data_dir = 'data'           # datasets live in data_dir/NAME (relative paths: to the repository)
 out_dir = 'out'             # checkpoint and log.jsonl; may name other keys: 'out-{dataset}-{taper}'
-init_from = 'scratch'       # 'scratch' | 'resume': continue out_dir/ckpt.pt with the configuration stored in it
+init_from = 'scratch'       # 'scratch' | 'resume': continue out_dir/ckpt.pt with the configuration stored in it | 'gpt2' | 'gpt2-medium' | 'gpt2-large' | 'gpt2-xl' | a folder holding a transformers GPT-2 checkpoint (needs transformers; the model keys not set explicitly come from its config)
 overwrite = False           # a scratch run into an out_dir that holds a run: True deletes its ckpt.pt and log.jsonl
 # system
 device = 'auto'             # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
@@ -65,8 +74,11 @@ dropout = 0.0
 bias = True                 # biases in Linear layers and LayerNorm β (GPT-2 style)
 norm = 'rmsnorm'            # 'rmsnorm' | 'layernorm'
 norm_eps = 1e-5             # ε of every norm, r(h) and s(h)
+activation = 'gelu'         # the MLP's GELU: 'gelu' (exact) | 'gelu_tanh' (GPT-2's gelu_new)
 taper = 'none'              # 'none' | 'internal' | 'all'
 aux_weight = 0.0            # λ of the scale-anchor loss L_aux
+norm_removal = 'none'       # 'none' | 'fakeln': the FakeLN baseline (with taper='none'; docs/method.md §7)
+fakeln_interval = 30        # FakeLN: steps between its events (ln_2, ln_1, ln_f, first position at 1, 2, 3, 4 ×); 30: the gaps of Baroni et al.'s GPT-2 small schedule (all norms gone by step ~104 of 300), one kind at a time
 # batch: tokens per optimizer step = batch_size * block_size * gradient_accumulation_steps * world
 batch_size = 32             # sequences per micro-batch, per process
 gradient_accumulation_steps = 4  # per process
@@ -93,13 +105,14 @@ log_interval = 10           # a log.jsonl record every this many steps
 
 # ---- configuration ----------------------------------------------------------------------
 
-CHOICES = dict(compile=('auto', True, False), init_from=('scratch', 'resume'), calibration=('end', 'ema'),
+CHOICES = dict(compile=('auto', True, False), calibration=('end', 'ema'),
                dtype=('auto', 'float32', 'bfloat16'), backend=('auto', 'nccl', 'gloo'))
 # keys a resumed run may change: they cannot change its result (where it runs, how often it logs)
 RESUME_FREE = ('init_from', 'overwrite', 'out_dir', 'data_dir', 'device', 'compile', 'backend', 'eval_interval',
                'log_interval')
-MODEL_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout', 'norm', 'norm_eps',
-              'taper', 'aux_weight')  # GPTConfig's fields set here (vocab_size comes from the dataset)
+MODEL_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout', 'norm', 'norm_eps', 'activation',
+              'taper', 'aux_weight', 'norm_removal')  # GPTConfig's fields set here (vocab_size comes from the dataset)
+SHAPE_KEYS = tuple(k for k in MODEL_KEYS if k in PRETRAINED_SHAPE or k == 'block_size')  # init_from=gpt2 sets them
 
 
 def validate(cfg):
@@ -109,6 +122,9 @@ def validate(cfg):
         GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if cfg['init_from'] not in ('scratch', 'resume', *GPT2_MODELS) and not os.path.isdir(cfg['init_from']):
+        raise ConfigError(f"init_from={cfg['init_from']!r}: choose 'scratch', 'resume', one of {', '.join(GPT2_MODELS)} "
+                          "or a folder holding a transformers GPT-2 checkpoint (config.json + weights)")
     for key in ('batch_size', 'block_size', 'gradient_accumulation_steps', 'max_iters',
                 'eval_interval', 'eval_iters', 'log_interval', 'calib_batches'):
         if cfg[key] < 1:
@@ -129,11 +145,29 @@ def validate(cfg):
         if W + T > cfg['max_iters']:
             raise ConfigError(f"gate_warmup_iters + taper_iters = {W + T} exceeds max_iters="
                               f"{cfg['max_iters']}: the gate must reach 0 before training ends")
+    if cfg['norm_removal'] == 'fakeln':
+        events = len(FAKELN_EVENTS) * cfg['fakeln_interval']
+        if cfg['fakeln_interval'] < 1 or events > cfg['max_iters']:
+            raise ConfigError(f"fakeln_interval={cfg['fakeln_interval']}: its {len(FAKELN_EVENTS)} events need "
+                              f"1 <= {len(FAKELN_EVENTS)} × fakeln_interval <= max_iters={cfg['max_iters']}")
 
 
 def load_config(argv):
     """train.py's configuration as a SimpleNamespace; SystemExit with one line when it is bad."""
     return configure(argv, globals(), CHOICES, validate)
+
+
+def pretrained_config(argv, cfg):
+    """For init_from=<GPT-2 name or folder>: cfg with SHAPE_KEYS taken from the pretrained config
+    (model.pretrained_args), except the keys argv sets explicitly, which must agree with it
+    (block_size may be smaller). SystemExit with one line naming both values otherwise."""
+    given = keys_set(argv, defaults_of(globals()), SHAPE_KEYS, CHOICES)
+    overrides = {k: getattr(cfg, k) for k in MODEL_KEYS if k in given or k not in SHAPE_KEYS}
+    try:
+        args = pretrained_args(cfg.init_from, overrides)
+    except PretrainedError as e:
+        raise SystemExit(f"init_from={cfg.init_from}: {e}") from None
+    return SimpleNamespace(**{**vars(cfg), **{k: args[k] for k in MODEL_KEYS}})
 
 
 def resume_config(argv, given):
@@ -179,6 +213,11 @@ def get_gate(it, taper, gate_warmup_iters, taper_iters):
     return 0.0 if phase == 'linear' else 1.0
 
 
+def get_fakeln_stage(it, norm_removal, fakeln_interval):
+    """FakeLN's events done before iteration it (0 .. len(FAKELN_EVENTS)); 0 for norm_removal='none'."""
+    return 0 if norm_removal == 'none' else min(it // fakeln_interval, len(FAKELN_EVENTS))
+
+
 def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters):
     """Linear warmup over warmup_iters, cosine decay to min_lr at lr_decay_iters, then flat."""
     if it < warmup_iters:
@@ -199,6 +238,9 @@ def prepare_command(dataset):
                 f"(then --dataset={name}: --dataset names a prepared folder, not a text file)")
     if dataset == 'tinystories':
         return 'python data/tinystories/prepare.py'
+    if dataset in ('openwebtext', 'pile'):  # streamed from the Hugging Face hub, full GPT-2 vocabulary
+        return (f'python data/{dataset}/prepare.py   (offline: python data/{dataset}/prepare.py '
+                f'--input=PATH/TO/{dataset}.jsonl)')
     from data.text.prepare import PUBLIC_CORPORA  # names prepare.py can download
     local = f'python data/text/prepare.py --name={dataset} --input=PATH/TO/{dataset}.txt'
     return f'python data/text/prepare.py --name={dataset}   (offline: {local})' if dataset in PUBLIC_CORPORA else local
@@ -218,7 +260,12 @@ def find_dataset(cfg, may_prepare):
         if not os.path.exists(os.path.join(folder, name)):
             raise SystemExit(f"{os.path.join(folder, name)} not found. Prepare the dataset first:\n"
                              f"    {prepare_command(cfg.dataset)}")
-    return folder, check_dataset(folder, cfg.block_size, prepare_command(cfg.dataset))
+    meta = check_dataset(folder, cfg.block_size, prepare_command(cfg.dataset))
+    if cfg.init_from not in ('scratch', 'resume') and meta.get('unk_id') is not None:
+        raise SystemExit(f"init_from={cfg.init_from} reads GPT-2's own token ids, but {folder} holds a compact "
+                         f"vocabulary of {meta['vocab_size']} ids: prepare it with the full GPT-2 vocabulary "
+                         "(--vocab_size=0; data/openwebtext and data/pile always use it)")
+    return folder, meta
 
 
 def check_dataset(folder, block_size, fix):
@@ -423,6 +470,27 @@ def calibrate_event(fwd_model, raw_model, folder, cfg, env):
     return event
 
 
+def fakeln_events(raw_model, it, cfg, env):
+    """FakeLN (docs/method.md §7): the removal events due before iteration it, each logged as
+    happening after the optimizer step of it − 1. A compiled model recompiles once per event."""
+    while int(getattr(raw_model, 'fakeln_stage', 0)) < get_fakeln_stage(it, cfg.norm_removal, cfg.fakeln_interval):
+        log({'event': 'fakeln', 'iter': it - 1, **raw_model.remove_norms()}, cfg, env)
+
+
+def build_model(cfg, model_args, ckpt):
+    """The model to train: random (scratch), the checkpoint's weights (resume), or a pretrained
+    GPT-2's (init_from=NAME|FOLDER, model_args on top); SystemExit with one line if GPT-2 fails to load."""
+    if cfg.init_from in ('scratch', 'resume'):
+        model = GPT(GPTConfig(**model_args))
+        if ckpt is not None:
+            model.load_state_dict(ckpt['model'])
+        return model
+    try:
+        return GPT.from_pretrained(cfg.init_from, model_args)
+    except PretrainedError as e:
+        raise SystemExit(f"init_from={cfg.init_from}: {e}") from None
+
+
 def log(record, cfg, env):
     """Append one record to out_dir/log.jsonl (rank 0) and print the step records."""
     if not env.master:
@@ -430,7 +498,11 @@ def log(record, cfg, env):
     with open(os.path.join(cfg.out_dir, 'log.jsonl'), 'a') as f:
         f.write(json.dumps(record) + '\n')
     r = record
-    if r.get('event') == 'calibrate':
+    if r.get('event') == 'fakeln':
+        stds = list(r['std'].values())
+        print(f"fakeln after iter {r['iter']}: removed {r['removed']}, fixed std in [{min(stds):.4f}, "
+              f"{max(stds):.4f}]{'' if r['removed'] == 'first_position' else ' (position 0: its own)'}")
+    elif r.get('event') == 'calibrate':
         cs, mm = list(r['c'].values()), list(r['mismatch'].values())
         print(f"calibrate ({cfg.calibration}) after iter {r['iter']}: c in [{min(cs):.4f}, {max(cs):.4f}], "
               f"s_tgt {r['s_tgt']:.4f}, branch mismatch ‖L−N‖/‖N‖ in [{min(mm):.3f}, {max(mm):.3f}]")
@@ -514,6 +586,8 @@ def main(argv):
     ckpt = None
     if cfg.init_from == 'resume':
         cfg, ckpt = resume_config(argv, cfg)
+    elif cfg.init_from != 'scratch':
+        cfg = pretrained_config(argv, cfg)  # the model shape of the GPT-2 checkpoint (its config only)
     env = setup(cfg)
     if env.compile:
         check_compiler(env.dev)
@@ -521,7 +595,7 @@ def main(argv):
     folder, meta = find_dataset(cfg, may_prepare=not env.ddp)
     model_args = {k: getattr(cfg, k) for k in MODEL_KEYS}
     model_args['vocab_size'] = meta['vocab_size']
-    if ckpt is not None and ckpt['model_args'] != model_args:
+    if ckpt is not None and GPTConfig(**ckpt['model_args']) != GPTConfig(**model_args):  # older ones lack new keys
         raise SystemExit(f"--init_from=resume: the dataset {folder} has vocab_size {meta['vocab_size']}, "
                          f"the checkpoint's model {ckpt['model_args']['vocab_size']}: resume on the run's data")
     iter_num = ckpt['iter_num'] if ckpt is not None else 0
@@ -530,9 +604,7 @@ def main(argv):
 
     # ---- model and optimizer, from scratch or from the checkpoint ----
     torch.manual_seed(cfg.seed)  # the initial weights
-    raw_model = GPT(GPTConfig(**model_args))
-    if ckpt is not None:
-        raw_model.load_state_dict(ckpt['model'])
+    raw_model = build_model(cfg, model_args, ckpt)
     raw_model.to(env.dev)
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
                                                env.device_type)
@@ -568,6 +640,7 @@ def main(argv):
                 raw_model.set_collect('calibration' if phase == 'warmup' and cfg.calibration == 'ema' else None)
                 train_model = wrap_ddp(fwd_model, env)  # DDP must see the parameters this phase trains
             raw_model.set_gate(gate)  # in place: no recompile
+            fakeln_events(raw_model, it, cfg, env)  # FakeLN: a removal recompiles once, here
             for group in optimizer.param_groups:
                 group['lr'] = lr
 
@@ -580,6 +653,8 @@ def main(argv):
             stats = train_step(train_model, raw_model, optimizer, folder, cfg, env, it)
             if phase == 'warmup' and cfg.calibration == 'ema':
                 raw_model.calibration_step()
+            if cfg.norm_removal == 'fakeln':
+                raw_model.fakeln_step()  # σ(h) of the norms not yet removed, into their windows
             if env.device_type == 'cuda':
                 torch.cuda.synchronize()
             dt_s = time.perf_counter() - t0
@@ -605,6 +680,7 @@ def main(argv):
     # the state after the last step belongs to iteration max_iters: linear, g = 0 when tapering
     raw_model.set_phase(get_phase(iter_num, *schedule))
     raw_model.set_gate(get_gate(iter_num, *schedule))
+    fakeln_events(raw_model, iter_num, cfg, env)
     checkpoint(iter_num)
     final_val, final_train = final_losses(raw_model, folder, cfg, env)
     log({'iter': iter_num, 'phase': raw_model.phase, 'final_val_loss': final_val, 'final_train_loss': final_train},

@@ -1,0 +1,65 @@
+"""
+Export a checkpoint whose norms still normalize as a Hugging Face transformers GPT-2 folder
+(config.json + model.safetensors), the inverse of train.py's --init_from=FOLDER (docs/method.md §7):
+
+    python export_gpt2.py --ckpt=out-gpt2-openwebtext-vanilla/ckpt.pt --out=gpt2-vanilla-owt
+    # then: GPT2LMHeadModel.from_pretrained('gpt2-vanilla-owt'), or train.py --init_from=gpt2-vanilla-owt
+
+A baseline with LayerNorm exports, and so does a TaperNorm checkpoint from its gate warmup or a
+FakeLN one from before its first removal; a model GPT-2 cannot express is refused with one line:
+RMSNorm, tapered (taper or linear phase), folded, or FakeLN after a removal. Needs transformers
+(pip install transformers). The script checks its work: it loads the folder back and compares
+teacher-forced logits with the checkpoint's (fold.max_logit_error), and removes the folder if
+they differ.
+"""
+
+import os
+import shutil
+import sys
+
+import torch
+
+from configurator import ConfigError, configure
+from fold import CheckError, max_logit_error
+from model import GPT, PretrainedError, export_gpt2
+
+# -----------------------------------------------------------------------------
+ckpt = ''           # a train.py checkpoint: a LayerNorm baseline, a gate-warmup TaperNorm, or FakeLN before its first removal
+out = ''            # the folder to write (it must not exist yet, or be empty)
+seed = 1337         # the random tokens of the logit check
+# -----------------------------------------------------------------------------
+
+
+def validate(cfg):
+    """configure()'s check: --ckpt and --out given; --out absent or an empty folder."""
+    if not cfg['ckpt'] or not cfg['out']:
+        raise ConfigError("usage: python export_gpt2.py --ckpt=OUT_DIR/ckpt.pt --out=FOLDER")
+    if os.path.exists(cfg['out']) and (not os.path.isdir(cfg['out']) or os.listdir(cfg['out'])):
+        raise ConfigError(f"--out={cfg['out']} exists and is not an empty folder; choose another")
+
+
+def main(argv):
+    """Export --ckpt to --out and check it; returns the largest |Δ logit|."""
+    cfg = configure(argv, globals(), validate=validate)
+    model, _ = GPT.from_checkpoint(cfg.ckpt)
+    try:
+        export_gpt2(model, cfg.out)
+        back = GPT.from_pretrained(cfg.out).eval()
+    except PretrainedError as e:
+        raise SystemExit(f"{cfg.ckpt}: {e}") from None
+    tokens = torch.randint(0, model.config.vocab_size, (2, model.config.block_size),
+                           generator=torch.Generator().manual_seed(cfg.seed))
+    try:
+        diff, scale = max_logit_error(model, back, tokens, 'checkpoint vs exported GPT-2')
+    except CheckError as e:
+        shutil.rmtree(cfg.out)
+        raise SystemExit(f"{e}: {cfg.out} removed. This is a bug; please report it with the "
+                         "checkpoint's model_args") from None
+    print(f"wrote {cfg.out} (transformers GPT-2: {model.config.n_layer} layers, {model.config.n_embd} wide, "
+          f"vocabulary {model.config.vocab_size}, context {model.config.block_size}); loaded back, "
+          f"max |Δ logit| {diff:.3e} (max |logit| {scale:.2f})")
+    return diff
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])
