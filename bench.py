@@ -144,7 +144,7 @@ def checkpoint_variants(cfg):
     elif model.phase in ('warmup', 'taper'):
         about += " (not an inference artifact: the normalizing branch still runs; fold a finished run)"
     torch.manual_seed(cfg.seed)
-    shape = {k: getattr(c, k) for k in SHAPE + ('bias', 'norm', 'norm_eps')}
+    shape = {k: getattr(c, k) for k in SHAPE + ('bias', 'norm', 'norm_eps', 'activation')}  # GPT-2: gelu_tanh
     return {'ckpt_baseline': GPT(GPTConfig(**shape)).eval(), name: model}, raw, [(r, name) for r in raw], about
 
 

@@ -709,3 +709,13 @@ def test_the_finetune_configs_share_one_budget_and_finish_removing_norms_in_time
     assert 'dataset = \'pile\'' in (REPO / 'config' / 'finetune_gpt2_vanilla.py').read_text()
     pile_cfg = train.load_config([f'config/finetune_gpt2_{name}.py', '--dataset=pile'])
     assert pile_cfg.out_dir.startswith('out-gpt2-pile-')
+
+
+def test_bench_times_a_gpt2_checkpoint_next_to_a_baseline_with_its_activation(tmp_path):
+    import bench
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=16, norm='layernorm',
+                          activation='gelu_tanh'))
+    train.save_checkpoint({'model': model.state_dict(), 'model_args': vars(model.config)}, str(tmp_path / 'g.pt'))
+    cfg = types.SimpleNamespace(ckpt=str(tmp_path / 'g.pt'), prompt_len=4, new_tokens=4, seed=0)
+    timed = bench.checkpoint_variants(cfg)[0]
+    assert timed['ckpt_baseline'].config == timed['ckpt:g.pt'].config  # same shape, same GELU
