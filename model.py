@@ -1008,15 +1008,17 @@ def export_gpt2(model, folder):
     phase), or FakeLN after a removal."""
     c = model.config
     stage = int(model.fakeln_stage) if c.norm_removal == 'fakeln' else 0
-    reason = ("its norms are RMSNorm; GPT-2 normalizes with LayerNorm" if c.norm != 'layernorm' else
-              "it is folded: its norms were merged into the next weights" if c.folded else
-              f"it is in the {model.phase} phase (g = {model.gate.item():.4g}): its tapered norms no longer "
-              "normalize" if model.phase in ('taper', 'linear') else
-              f"FakeLN has removed {FAKELN_EVENTS[stage - 1]} (and what came before): those norms no longer "
-              "normalize" if stage else None)
-    if reason:
-        raise PretrainedError(f"cannot export as GPT-2: {reason}; export a baseline, or a checkpoint "
-                              "from the gate warmup or before the first FakeLN removal")
+    refusals = [
+        (c.norm != 'layernorm', "its norms are RMSNorm; GPT-2 normalizes with LayerNorm"),
+        (c.folded, "it is folded: its norms were merged into the next weights"),
+        (model.phase in ('taper', 'linear'),
+         f"it is in the {model.phase} phase (g = {model.gate.item():.4g}): its tapered norms no longer normalize"),
+        (stage > 0, f"FakeLN has removed {FAKELN_EVENTS[stage - 1]} (and what came before): those norms no "
+                    "longer normalize")]
+    for refused, reason in refusals:
+        if refused:
+            raise PretrainedError(f"cannot export as GPT-2: {reason}; export a baseline, or a checkpoint "
+                                  "from the gate warmup or before the first FakeLN removal")
     tf = _transformers()
     eot = 50256 if c.vocab_size == 50257 else None  # GPT-2's <|endoftext|>, only in its own vocabulary
     hf = tf.GPT2LMHeadModel(tf.GPT2Config(
