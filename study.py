@@ -228,7 +228,7 @@ def tables(cells):
                      f"{fmt(mean_sd(train))} | {fmt(mean_sd([v - t for v, t in zip(val, train)]), 3)} |")
 
     lines += ["", "| variant | seeds | c range | s_tgt | branch mismatch ‖L−N‖/‖N‖ | hidden_rms last (max) | "
-              "logit_rms last (max) | |radial_cos| last (max) |", "|---|---|---|---|---|---|---|---|"]
+              "logit_rms last (max) | radial_cos, absolute: last (max) |", "|---|---|---|---|---|---|---|---|"]
     for g, by_seed in groups.items():
         done = [c for c in by_seed.values() if c['status'] == 'finished']
         if not done:
@@ -237,10 +237,10 @@ def tables(cells):
         cs = [v for k in cal for v in k['c'].values()]
         mm = [v for k in cal for v in (k['mismatch'] or {}).values()]
         rng = lambda xs: f"{min(xs):.3f}–{max(xs):.3f}" if xs else '—'
-        diag = lambda k: (f"{statistics.mean(abs(c[k + '_last']) for c in done):.3f} "
-                          f"({max(c[k + '_max'] for c in done):.3f})")
+        diag = lambda k, f='.3f': (f"{statistics.mean(abs(c[k + '_last']) for c in done):{f}} "
+                                   f"({max(c[k + '_max'] for c in done):{f}})")
         lines.append(f"| {g} | {len(done)} | {rng(cs)} | {rng([k['s_tgt'] for k in cal])} | {rng(mm)} | "
-                     f"{diag('hidden_rms')} | {diag('logit_rms')} | {diag('radial_cos')} |")
+                     f"{diag('hidden_rms')} | {diag('logit_rms')} | {diag('radial_cos', '.2g')} |")
 
     tapered = next((c for g, by in groups.items() if g != name_of_baseline for c in by.values()
                     if c['status'] == 'finished' and 'calibrate' in c), None)
