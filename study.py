@@ -114,7 +114,8 @@ def summarize(records):
                max_loss=max(r['loss'] for r in steps),
                **{f'{k}_last': steps[-1].get(k) for k in ('hidden_rms', 'logit_rms', 'radial_cos')},
                **{f'{k}_max': max(abs(r.get(k, 0.0)) for r in steps) for k in ('hidden_rms', 'logit_rms', 'radial_cos')},
-               step_ms={str(r['iter']): r['step_ms'] for r in steps if 'val_loss' not in r})
+               step_ms={str(r['iter']): r['step_ms'] for r in steps if 'val_loss' not in r},
+               linear_from=min((r['iter'] for r in steps if r['phase'] == 'linear'), default=None))
     if calib is not None:
         out['calibrate'] = dict(iter=calib['iter'], s_tgt=calib['s_tgt'], c=calib['c'],
                                 mismatch=calib.get('mismatch'))
@@ -201,15 +202,25 @@ def fmt(m_sd, digits=4, pct=False):
     return f"{m:.{digits}f}" if math.isnan(sd) else f"{m:.{digits}f} ± {sd:.{digits}f}"
 
 
-def tables(cells):
-    """Markdown tables of the finished cells (grouped by the name without its seed): losses over
-    seeds with the per-seed paired difference to the baseline, the calibrate event, the scale
-    diagnostics, and the median step time per phase relative to the baseline's."""
+# which tables a matrix reports: step times only from runs that had the machine to themselves
+TABLES = {'timing': ('steps',)}
+
+
+def tables(cells, parts=('losses', 'scales')):
+    """Markdown tables of the finished cells, grouped by the name without its seed: 'losses'
+    (over seeds, with the per-seed paired difference to the baseline), 'scales' (the calibrate
+    event and the scale diagnostics), 'steps' (median step time per phase vs the baseline's)."""
     groups = {}
     for name, c in cells.items():
-        groups.setdefault(name.rsplit('-s', 1)[0], {})[int(name.rsplit('-s', 1)[1])] = c
-    name_of_baseline = next((g for g in groups if g.startswith('baseline')), None)
-    base = groups.get(name_of_baseline, {})
+        group, seed = name.rsplit('-s', 1)
+        groups.setdefault(group, {})[int(seed)] = c
+    base_name = next((g for g in groups if g.startswith('baseline')), None)
+    make = {'losses': loss_table, 'scales': scale_table, 'steps': step_table}
+    return '\n\n'.join(make[p](groups, base_name) for p in parts)
+
+
+def loss_table(groups, base_name):
+    base = groups.get(base_name, {})
     lines = ["| variant | seeds | final val loss | vs baseline (paired) | final train loss | val − train |",
              "|---|---|---|---|---|---|"]
     for g, by_seed in groups.items():
@@ -224,11 +235,15 @@ def tables(cells):
                   if s in base and base[s]['status'] == 'finished']
         seeds = ','.join(str(s) for s in sorted(done)) + (f" ({'; '.join(diverged)})" if diverged else '')
         lines.append(f"| {g} | {seeds} | {fmt(mean_sd(val))} | "
-                     f"{fmt(mean_sd(paired), pct=True) if paired and g != name_of_baseline else '—'} | "
+                     f"{fmt(mean_sd(paired), pct=True) if paired and g != base_name else '—'} | "
                      f"{fmt(mean_sd(train))} | {fmt(mean_sd([v - t for v, t in zip(val, train)]), 3)} |")
+    return '\n'.join(lines)
 
-    lines += ["", "| variant | seeds | c range | s_tgt | branch mismatch ‖L−N‖/‖N‖ | hidden_rms last (max) | "
-              "logit_rms last (max) | radial_cos, absolute: last (max) |", "|---|---|---|---|---|---|---|---|"]
+
+def scale_table(groups, base_name):
+    lines = ["| variant | seeds | c range | s_tgt | branch mismatch ‖L−N‖/‖N‖ | hidden_rms last (max) | "
+             "logit_rms last (max) | radial_cos, absolute: last (max) |", "|---|---|---|---|---|---|---|---|"]
+    rng = lambda xs: f"{min(xs):.3f}–{max(xs):.3f}" if xs else '—'
     for g, by_seed in groups.items():
         done = [c for c in by_seed.values() if c['status'] == 'finished']
         if not done:
@@ -236,35 +251,35 @@ def tables(cells):
         cal = [c['calibrate'] for c in done if 'calibrate' in c]
         cs = [v for k in cal for v in k['c'].values()]
         mm = [v for k in cal for v in (k['mismatch'] or {}).values()]
-        rng = lambda xs: f"{min(xs):.3f}–{max(xs):.3f}" if xs else '—'
         diag = lambda k, f='.3f': (f"{statistics.mean(abs(c[k + '_last']) for c in done):{f}} "
                                    f"({max(c[k + '_max'] for c in done):{f}})")
         lines.append(f"| {g} | {len(done)} | {rng(cs)} | {rng([k['s_tgt'] for k in cal])} | {rng(mm)} | "
                      f"{diag('hidden_rms')} | {diag('logit_rms')} | {diag('radial_cos', '.2g')} |")
+    return '\n'.join(lines)
 
-    tapered = next((c for g, by in groups.items() if g != name_of_baseline for c in by.values()
-                    if c['status'] == 'finished' and 'calibrate' in c), None)
-    if tapered is not None and base:
-        W = tapered['calibrate']['iter'] + 1
-        T = next(int(a.split('=')[1]) for a in reversed(tapered['args'] + ['--taper_iters=750'])
-                 if a.startswith('--taper_iters='))
-        phases = {'warmup': (0, W), 'taper': (W, W + T), 'linear': (W + T, 10 ** 9)}
-        lines += ["", "| variant | " + " | ".join(f"{p} step (vs baseline)" for p in phases) + " |",
-                  "|---|" + "---|" * len(phases)]
-        for g, by_seed in groups.items():
-            cells_ = [(s, c) for s, c in by_seed.items() if c['status'] == 'finished' and s in base]
-            if not cells_:
-                continue
-            row = []
-            for lo, hi in phases.values():
-                ratios, ms = [], []
-                for s, c in cells_:
-                    its = [it for it in c['step_ms'] if lo <= int(it) < hi and it in base[s]['step_ms']]
-                    if its:
-                        mine = statistics.median(c['step_ms'][it] for it in its)
-                        ms.append(mine)
-                        ratios.append(mine / statistics.median(base[s]['step_ms'][it] for it in its))
-                row.append(f"{statistics.mean(ms):.0f} ms ({statistics.mean(ratios):.3f}×)" if ms else '—')
+
+def step_table(groups, base_name):
+    base = groups.get(base_name, {})
+    tapered = next((c for g, by in groups.items() if g != base_name for c in by.values()
+                    if c['status'] == 'finished' and c.get('linear_from')), None)
+    if tapered is None or not base:
+        return ''
+    W, L = tapered['calibrate']['iter'] + 1, tapered['linear_from']  # the phases' first iterations
+    phases = {'warmup': (0, W), 'taper': (W, L), 'linear': (L, 10 ** 9)}
+    lines = ["| variant | " + " | ".join(f"{p} step (vs baseline)" for p in phases) + " |",
+             "|---|" + "---|" * len(phases)]
+    for g, by_seed in groups.items():
+        cells = [(s, c) for s, c in by_seed.items() if c['status'] == 'finished' and s in base]
+        row = []
+        for lo, hi in phases.values():
+            ratios, ms = [], []
+            for s, c in cells:
+                its = [it for it in c['step_ms'] if lo <= int(it) < hi and it in base[s]['step_ms']]
+                if its:
+                    ms.append(statistics.median(c['step_ms'][it] for it in its))
+                    ratios.append(ms[-1] / statistics.median(base[s]['step_ms'][it] for it in its))
+            row.append(f"{statistics.mean(ms):.0f} ms ({statistics.mean(ratios):.3f}×)" if ms else '—')
+        if cells:
             lines.append(f"| {g} | " + " | ".join(row) + " |")
     return '\n'.join(lines)
 
@@ -293,7 +308,8 @@ def main(argv):
         if 'failed' in statuses:
             raise SystemExit(f"{statuses.count('failed')} cell(s) failed; fix and rerun the same command")
     if cfg.table or cfg.readme:
-        text = tables({n: results.data['cells'][n] for n in cells if n in results.data['cells']})
+        text = tables({n: results.data['cells'][n] for n in cells if n in results.data['cells']},
+                      TABLES.get(cfg.matrix, ('losses', 'scales')))
         print(text)
         if cfg.readme:
             write_between_markers(cfg.readme, cfg.matrix, text)
