@@ -2,8 +2,9 @@
 Run a declared matrix of train.py runs, resumably, two at a time, and build the results tables.
 
     python study.py                          # run the 'main' matrix into study/, then print its tables
-    python study.py --matrix=ema_vs_end      # another declared matrix (see MATRICES)
-    python study.py --table=True --run=False # only the tables, from study/results.json
+    python study.py --matrix=timing --jobs=1 --threads=2   # another declared matrix (see MATRICES)
+    python study.py --run=False              # only the tables, from study/results.json
+    python study.py --matrix=timing --only=all-timing-s1 --study_dir=/tmp/again   # one cell again
 
 Every cell gets its own out_dir (study_dir/NAME). A cell whose log.jsonl has final_val_loss is
 skipped; one with a ckpt.pt continues with --init_from=resume; one whose loss went non-finite
@@ -38,6 +39,7 @@ jobs = 2                    # cells trained at once
 threads = 1                 # OMP_NUM_THREADS of each cell
 run = True                  # train the cells that are not finished
 table = True                # print the tables of the matrix's finished cells
+only = ''                   # run and report only these cells of the matrix (comma-separated names)
 readme = ''                 # also write them into this markdown file, between <!-- study:MATRIX --> and <!-- /study:MATRIX -->
 # -----------------------------------------------------------------------------
 DEFAULTS = dict(defaults_of(globals()), __file__=__file__, __doc__=__doc__)  # before anything else is defined
@@ -299,6 +301,12 @@ def main(argv):
     """Run (and/or tabulate) the matrix given by argv; returns the results file's contents."""
     cfg = configure(argv, DEFAULTS, choices={'matrix': tuple(MATRICES)})
     cells = MATRICES[cfg.matrix]
+    if cfg.only:
+        unknown = set(cfg.only.split(',')) - set(cells)
+        if unknown:
+            raise SystemExit(f"config error: only={cfg.only!r}: {', '.join(sorted(unknown))} not in matrix "
+                             f"{cfg.matrix!r} ({', '.join(cells)})")
+        cells = {n: a for n, a in cells.items() if n in cfg.only.split(',')}
     os.makedirs(cfg.study_dir, exist_ok=True)
     results = Results(os.path.join(cfg.study_dir, 'results.json'))
     if cfg.run:

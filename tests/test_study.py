@@ -38,6 +38,8 @@ def test_two_cells_run_skip_resume_and_record_divergence(tiny_matrix, tmp_path, 
     assert text.startswith('intro\n<!-- study:tiny -->\n| variant |') and text.endswith('<!-- /study:tiny -->\nafter\n')
     assert 'old' not in text and '| all-end |' in text
 
+    with pytest.raises(SystemExit, match="only='nope': nope not in matrix 'tiny'"):
+        study.main(['--matrix=tiny', f'--study_dir={out}', '--only=nope'])
     # a finished cell is skipped: nothing is appended to its log
     before = (out / 'all-end-s1' / 'log.jsonl').read_text()
     study.main(['--matrix=tiny', f'--study_dir={out}', '--table=False'])
