@@ -624,7 +624,7 @@ def main(argv):
     if env.master:
         print(f"{raw_model.num_params() / 1e6:.2f}M parameters | taper={cfg.taper} norm={cfg.norm} "
               f"λ={cfg.aux_weight} | device={env.dev} dtype={env.dtype} compile={env.compile} world={env.world} | "
-              f"{tokens_per_iter:,} tokens/iter")
+              f"{tokens_per_iter:,} tokens/iter | writing {ckpt_path} and log.jsonl")
 
     # ---- the training loop ----
     schedule = (cfg.taper, cfg.gate_warmup_iters, cfg.taper_iters)
@@ -673,8 +673,8 @@ def main(argv):
                 checkpoint(iter_num)
                 if env.master:
                     print(f"stopped by {signal.Signals(stop.received or signal.SIGTERM).name} after iteration "
-                          f"{it}: {ckpt_path} holds iteration {iter_num}; continue with: python train.py "
-                          f"--init_from=resume --out_dir={cfg.out_dir}", file=sys.stderr)
+                          f"{it}: saved in {ckpt_path}, which resumes at iteration {iter_num}; continue with: "
+                          f"python train.py --init_from=resume --out_dir={cfg.out_dir}", file=sys.stderr)
                 raise SystemExit(130 if stop.received == signal.SIGINT else 143)
 
     # the state after the last step belongs to iteration max_iters: linear, g = 0 when tapering
