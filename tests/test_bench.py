@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import bench
-import configurator
 import fold
 from model import save_checkpoint
 
@@ -170,14 +169,3 @@ def test_a_raw_linear_phase_checkpoint_is_gated_against_its_tapernorm_form(tmp_p
     assert 'ckpt:raw.pt (TaperNorm) vs ckpt:raw.pt' in out
     with pytest.raises(SystemExit, match="context is 32 tokens: lower --prompt_len"):
         bench.main(TINY + [f'--ckpt={path}', '--prompt_len=20', '--new_tokens=20'])
-
-
-def test_help_prints_every_key_with_its_comment_and_exits_0(capsys):
-    with pytest.raises(SystemExit) as e:
-        bench.main(['-h'])
-    assert e.value.code in (0, None)
-    out = capsys.readouterr().out
-    lines = configurator.defaults_block(vars(bench)).splitlines()
-    keys = configurator.defaults_of(vars(bench))
-    assert len(lines) == len(keys) and all(' # ' in line for line in lines)
-    assert all(any(line.startswith(f'{k} =') for line in out.splitlines()) for k in keys)

@@ -41,7 +41,7 @@ def test_two_process_gloo_run_agrees_on_c(toy_data, tmp_path):
     assert ranks[0]['c'] == ranks[1]['c'] and ranks[0]['s_tgt'] == ranks[1]['s_tgt']
     # c is the closed form over BOTH ranks' calibration tokens (docs/method.md §3), not rank 0's
     for name, c in ranks[0]['c'].items():
-        (n0, d0, t0, g), (n1, d1, _, _) = ranks[0]['stats'][name], ranks[1]['stats'][name]
+        (n0, d0, _, g), (n1, d1, _, _) = ranks[0]['stats'][name], ranks[1]['stats'][name]
         g2 = np.square(g)
         both = (g2 @ (np.add(n0, n1))) / (g2 @ np.add(d0, d1))
         alone = (g2 @ np.asarray(n0)) / (g2 @ np.asarray(d0))

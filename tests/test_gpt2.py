@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.testing import assert_close
 
 import configurator
@@ -23,6 +22,8 @@ import export_gpt2
 import fold
 import sample
 import train
+from test_data import load_script
+from test_train import interrupt_at, read_log
 from model import (FAKELN_EVENTS, GPT, GPTConfig, FakeNorm, PretrainedError, TaperNorm, export_gpt2 as export,
                    pretrained_args)
 
@@ -43,10 +44,6 @@ def toy_args(data_dir, out_dir, **overrides):
                eval_interval=4, eval_iters=2, log_interval=1)
     cfg.update(overrides)
     return [f'--{k}={v}' for k, v in cfg.items()]
-
-
-def read_log(out_dir):
-    return [json.loads(line) for line in (Path(out_dir) / 'log.jsonl').read_text().splitlines()]
 
 
 # ---- a tiny random GPT-2, written by transformers itself ----------------------------------
@@ -514,17 +511,7 @@ def test_a_fakeln_run_logs_its_events_folds_and_resumes_exactly(toy_data, tmp_pa
 
     # interrupted at step 10 (last checkpoint: 8, inside ln_f's window), resumed: the same run
     interrupted = tmp_path / 'interrupted'
-    real_get_lr = train.get_lr
-
-    def ctrl_c_at_10(it, *args):
-        if it == 10:
-            raise KeyboardInterrupt
-        return real_get_lr(it, *args)
-
-    monkeypatch.setattr(train, 'get_lr', ctrl_c_at_10)
-    with pytest.raises(KeyboardInterrupt):
-        train.main(toy_args(toy_data, interrupted, **FAKELN_RUN))
-    monkeypatch.setattr(train, 'get_lr', real_get_lr)
+    interrupt_at(10, toy_args(toy_data, interrupted, **FAKELN_RUN), monkeypatch)
     train.main(toy_args(toy_data, interrupted, **FAKELN_RUN, init_from='resume'))
     again = read_log(interrupted)
     assert [r for r in again if r.get('event') == 'fakeln'] == events  # none repeated, none lost
@@ -545,13 +532,6 @@ def test_a_fakeln_run_logs_its_events_folds_and_resumes_exactly(toy_data, tmp_pa
 
 
 # ---- data: OpenWebText and The Pile ------------------------------------------------------
-
-def load_script(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 owt = load_script('owt_prepare', REPO / 'data' / 'openwebtext' / 'prepare.py')
 pile = load_script('pile_prepare', REPO / 'data' / 'pile' / 'prepare.py')

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.testing import assert_close
 
+import bench
 import configurator
 import fold
 import sample
@@ -368,7 +368,7 @@ def test_generate_argument_checks():
     assert out.shape == (2, 8) and torch.equal(out[:, :3], idx)
 
 
-@pytest.mark.parametrize('script', [sample, fold])
+@pytest.mark.parametrize('script', [sample, fold, bench])
 def test_help_prints_every_key_with_its_comment_and_exits_0(script, capsys):
     with pytest.raises(SystemExit) as e:
         script.main(['--help'])

@@ -2,7 +2,6 @@
 signals, bad data and bad input that end in one line instead of a traceback."""
 
 import fcntl
-import json
 import os
 import signal
 import subprocess

@@ -32,6 +32,21 @@ def read_log(out_dir):
         return [json.loads(line) for line in f]
 
 
+def interrupt_at(it_stop, args, monkeypatch):
+    """train.main(args), stopped by a KeyboardInterrupt when iteration it_stop begins."""
+    real_get_lr = train.get_lr
+
+    def ctrl_c(it, *a):
+        if it == it_stop:
+            raise KeyboardInterrupt
+        return real_get_lr(it, *a)
+
+    monkeypatch.setattr(train, 'get_lr', ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(args)
+    monkeypatch.setattr(train, 'get_lr', real_get_lr)
+
+
 # ---- schedule -------------------------------------------------------------------------
 
 def test_schedule_at_and_around_each_boundary():
@@ -142,17 +157,7 @@ def test_resume_continues_exactly_across_the_calibrate_event(toy_data, tmp_path,
     train.main(toy_args(toy_data, straight))
 
     interrupted = tmp_path / 'interrupted'
-    real_get_lr = train.get_lr
-
-    def ctrl_c_at_10(it, *args):
-        if it == 10:
-            raise KeyboardInterrupt
-        return real_get_lr(it, *args)
-
-    monkeypatch.setattr(train, 'get_lr', ctrl_c_at_10)
-    with pytest.raises(KeyboardInterrupt):
-        train.main(toy_args(toy_data, interrupted))
-    monkeypatch.setattr(train, 'get_lr', real_get_lr)
+    interrupt_at(10, toy_args(toy_data, interrupted), monkeypatch)
     assert torch.load(interrupted / 'ckpt.pt', weights_only=False)['iter_num'] == 8
     train.main(toy_args(toy_data, interrupted, init_from='resume'))
 
