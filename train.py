@@ -393,12 +393,14 @@ def wrap_ddp(model, env):
 
 # ---- training steps, evaluation, the calibrate event, logging ---------------------------
 
-def train_step(train_model, raw_model, optimizer, folder, cfg, env, it):
+def train_step(train_model, raw_model, optimizer, folder, cfg, env, it, stopping=False):
     """One optimizer step over gradient_accumulation_steps micro-batches. Returns the step's
-    means over micro-batches and ranks {loss, ce, aux, hidden_rms, logit_rms, radial_cos} and
-    grad_norm (before clipping); SystemExit on a non-finite loss, before the optimizer step."""
+    means over micro-batches and ranks {loss, ce, aux, hidden_rms, logit_rms, radial_cos},
+    grad_norm (before clipping) and stop: whether any rank passed stopping=True (it rides on the
+    same all-reduce, so every rank stops at the same step). SystemExit on a non-finite loss,
+    before the optimizer step."""
     torch.manual_seed(int(np.random.SeedSequence([cfg.seed, it, env.rank]).generate_state(1)[0]))  # dropout
-    sums = torch.zeros(6, device=env.dev)
+    sums = torch.zeros(7, device=env.dev)
     for micro in range(cfg.gradient_accumulation_steps):
         if env.ddp:  # all-reduce gradients on the last micro-step only
             train_model.require_backward_grad_sync = micro == cfg.gradient_accumulation_steps - 1
@@ -408,16 +410,18 @@ def train_step(train_model, raw_model, optimizer, folder, cfg, env, it):
             _, loss = train_model(x, y)
         (loss / cfg.gradient_accumulation_steps).backward()
         m, sink = raw_model.last_metrics, raw_model.radial_sink  # sink.grad: radial_cos (model.RadialCos)
-        sums += torch.stack([loss.detach(), m.ce, m.aux, m.hidden_rms, m.logit_rms, sink.grad]).float()
+        sums[:6] += torch.stack([loss.detach(), m.ce, m.aux, m.hidden_rms, m.logit_rms, sink.grad]).float()
         sink.grad = None
     grad_norm = torch.nn.utils.clip_grad_norm_(
         [p for p in raw_model.parameters() if p.grad is not None],
         cfg.grad_clip if cfg.grad_clip > 0 else float('inf'))
     sums /= cfg.gradient_accumulation_steps
+    sums[6] = float(stopping)
     if env.ddp:
         torch.distributed.all_reduce(sums)  # SUM: gloo has no AVG
         sums /= env.world
-    stats = dict(zip(('loss', 'ce', 'aux', 'hidden_rms', 'logit_rms', 'radial_cos'), sums.tolist()))  # one host sync
+    stats = dict(zip(('loss', 'ce', 'aux', 'hidden_rms', 'logit_rms', 'radial_cos', 'stop'), sums.tolist()))  # one host sync
+    stats['stop'] = stats['stop'] > 0
     stats['grad_norm'] = grad_norm.item()
     if not (math.isfinite(stats['loss']) and math.isfinite(stats['grad_norm'])):
         raise SystemExit(f"non-finite loss {stats['loss']} (grad norm {stats['grad_norm']}) at iteration {it}; "
@@ -569,14 +573,6 @@ class StopSignal:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
-    def requested(self, env):
-        """True when a signal came to any rank (so every rank stops at the same step)."""
-        if not env.ddp:
-            return self.received is not None
-        flag = torch.tensor(float(self.received is not None), device=env.dev)
-        torch.distributed.all_reduce(flag)
-        return flag.item() > 0
-
 
 # ---- main -------------------------------------------------------------------------------
 
@@ -650,7 +646,7 @@ def main(argv):
                 checkpoint(it)
 
             t0 = time.perf_counter()
-            stats = train_step(train_model, raw_model, optimizer, folder, cfg, env, it)
+            stats = train_step(train_model, raw_model, optimizer, folder, cfg, env, it, stop.received is not None)
             if phase == 'warmup' and cfg.calibration == 'ema':
                 raw_model.calibration_step()
             if cfg.norm_removal == 'fakeln':
@@ -661,7 +657,7 @@ def main(argv):
 
             if it % cfg.log_interval == 0 or record:
                 scale = raw_model.last_metrics.final_scale_rms
-                log(dict(iter=it, phase=phase, gate=gate, lr=lr, **{k: stats[k] for k in stats if k != 'grad_norm'},
+                log(dict(iter=it, phase=phase, gate=gate, lr=lr, **{k: stats[k] for k in stats if k not in ('grad_norm', 'stop')},
                          **record, **({'final_scale_rms': scale.item()} if scale is not None else {}),
                          grad_norm=stats['grad_norm'], step_ms=1000 * dt_s, tokens_per_s=tokens_per_iter / dt_s),
                     cfg, env)
@@ -669,7 +665,7 @@ def main(argv):
                 log({'event': 'calibrate', 'iter': it, **calibrate_event(fwd_model, raw_model, folder, cfg, env)},
                     cfg, env)
             iter_num += 1
-            if stop.requested(env):  # Ctrl-C / SIGTERM: keep every finished step
+            if stats['stop']:  # Ctrl-C / SIGTERM on any rank: keep every finished step
                 checkpoint(iter_num)
                 if env.master:
                     print(f"stopped by {signal.Signals(stop.received or signal.SIGTERM).name} after iteration "
