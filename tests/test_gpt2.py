@@ -23,7 +23,7 @@ import fold
 import sample
 import train
 from test_data import load_script
-from test_train import interrupt_at, read_log
+from test_train import interrupt_at, linear_phase_model, read_log
 from model import (FAKELN_EVENTS, GPT, GPTConfig, FakeNorm, PretrainedError, TaperNorm, export_gpt2 as export,
                    pretrained_args)
 
@@ -217,17 +217,7 @@ def test_export_then_load_gives_the_same_logits(kind, gpt2_folder, tmp_path):
 
 
 def linear_phase_taper():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=50, block_size=16, norm='layernorm',
-                          taper='internal'))
-    x = torch.randint(0, 50, (2, 16))
-    model.set_collect('calibration')
-    model(x, x)
-    model.set_collect(None)
-    model.calibrate('end')
-    model.set_phase('linear')
-    model.set_gate(0.0)
-    return model.eval()
+    return linear_phase_model(vocab_size=50, norm='layernorm', taper='internal').eval()
 
 
 def fakeln_model(events, kind='layernorm', seed=0, steps_per_event=2):

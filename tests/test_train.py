@@ -272,11 +272,12 @@ def test_main_command_prepares_tinystories_when_missing(tmp_path, monkeypatch):
 
 # ---- the numbers train.py reports, against plain torch ---------------------------------
 
-def linear_phase_model(aux_weight):
+def linear_phase_model(aux_weight=0.0, **config):
+    """A tiny GPT calibrated ('end') on one random batch and put in the linear phase (g = 0)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, taper='all',
-                          aux_weight=aux_weight))
-    x = torch.randint(0, 64, (4, 16))
+    config = {**dict(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, taper='all'), **config}
+    model = GPT(GPTConfig(aux_weight=aux_weight, **config))
+    x = torch.randint(0, config['vocab_size'], (4, 16))
     model.set_collect('calibration')
     model(x, x)
     model.set_collect(None)
