@@ -15,6 +15,7 @@ The README's tables are printed by --table from that file. Each cell runs with
 OMP_NUM_THREADS=threads; jobs cells run at once (2 on a 2-core machine).
 """
 
+import fcntl
 import itertools
 import json
 import math
@@ -61,6 +62,17 @@ def cells_of(variants, seeds, calibration='end'):
             for v, s in itertools.product(variants, seeds)}
 
 
+def lr_cells(variants, lrs):
+    """{cell name: train.py arguments} for every variant × peak learning rate, seed 1, with
+    min_lr = lr / 10 as in config/cpu.py. The lr = 2e-3 cells are the main matrix's own runs."""
+    name = lambda v, lr: f'{v}-end-s1' if lr == 2e-3 else f'{v}-lr{lr:g}-s1'
+    return {name(v, lr): BASE + VARIANTS[v] + ['--calibration=end', '--seed=1', f'--learning_rate={lr:g}',
+                                               f'--min_lr={lr / 10:g}']
+            for v, lr in itertools.product(variants, lrs)}
+
+
+LRS = (1e-3, 2e-3, 4e-3, 8e-3)
+SHORT = ['--gate_warmup_iters=20', '--taper_iters=50']  # W = 20, T = 50 in the same 1500-step run
 MATRICES = {
     # the main comparison: four variants × three seeds with calibration='end', and the paper's
     # EMA calibration beside it for the two anchored tapered variants, seed 1 (14 runs)
@@ -68,6 +80,23 @@ MATRICES = {
     # the README's quick start (All-Taper on austen, 3.3 epochs) with both calibration modes
     'quickstart': {f'austen-all-{m}-s1': ['config/tinystories_all_taper.py', 'config/cpu.py', f'--calibration={m}']
                    for m in ('end', 'ema')},
+    # part 2. Each variant at its own best learning rate (seed 1)
+    'lr': lr_cells(('baseline', 'internal'), LRS),
+    # where logit chasing bites: λ (All-Taper λ = 0 and 0.1 are the main matrix's), a short gate
+    # schedule, and the largest learning rate of the 'lr' matrix; logged every step so that a
+    # spike is seen at its peak
+    'chasing': {**{f'{v}-end-s1': BASE + VARIANTS[v] + ['--calibration=end', '--seed=1'] for v in ('all_noaux', 'all')},
+                **{f'all_aux{a:g}-end-s1': BASE + ['--taper=all', f'--aux_weight={a:g}', '--calibration=end',
+                                                   '--seed=1', '--log_interval=1'] for a in (0.01, 1.0)},
+                **{f'{v}-short-s1': BASE + VARIANTS[v] + SHORT + ['--calibration=end', '--seed=1', '--log_interval=1']
+                   for v in ('all_noaux', 'all', 'internal')},
+                **{n: a + ['--log_interval=1'] for n, a in lr_cells(('all_noaux', 'all'), (8e-3,)).items()}},
+    # the 3M model of the docs/method.md §6 ladder (n_embd=128, n_head=4), seed 1
+    '3M': {f'{v}-3M-s1': BASE + VARIANTS[v] + ['--n_embd=128', '--n_head=4', '--calibration=end', '--seed=1']
+           for v in ('baseline', 'internal', 'all')},
+    # the contrast: the four variants on austen alone (3.3 epochs in the same 1500 steps)
+    'austen': {f'{v}-austen-s1': BASE[:-1] + ['--dataset=austen'] + VARIANTS[v] + ['--calibration=end', '--seed=1']
+               for v in VARIANTS},
     # step times per phase on a machine left to one run at a time (run with --jobs=1 --threads=2):
     # the main matrix's two-at-a-time runs share the memory bandwidth, so their times are noisier
     'timing': {f'{v}-timing-s1': BASE + VARIANTS[v] + ['--max_iters=300', '--warmup_iters=30', '--lr_decay_iters=300',
@@ -132,17 +161,24 @@ def atomic_write_json(obj, path):
 
 
 class Results:
-    """study_dir/results.json: {'cells': {name: record}}, rewritten after every cell."""
+    """study_dir/results.json: {'cells': {name: record}}, rewritten after every cell. Two drivers
+    (two matrices at once) may share it: each write re-reads the file under an flock and
+    changes only its own cell."""
 
     def __init__(self, path):
         self.path, self.lock = path, threading.Lock()
-        self.data = {'cells': {}}
-        if os.path.exists(path):
-            with open(path) as f:
-                self.data = json.load(f)
+        self.data = self.read()
+
+    def read(self):
+        if not os.path.exists(self.path):
+            return {'cells': {}}
+        with open(self.path) as f:
+            return json.load(f)
 
     def put(self, name, record):
-        with self.lock:
+        with self.lock, open(self.path + '.lock', 'w') as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.data = self.read()
             self.data['cells'][name] = record
             atomic_write_json(self.data, self.path)
 
