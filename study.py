@@ -94,6 +94,11 @@ MATRICES = {
     # the 3M model of the docs/method.md §6 ladder (n_embd=128, n_head=4), seed 1
     '3M': {f'{v}-3M-s1': BASE + VARIANTS[v] + ['--n_embd=128', '--n_head=4', '--calibration=end', '--seed=1']
            for v in ('baseline', 'internal', 'all')},
+    # the CPU proxy of the GPT-2 family (README): the small GPT-2-shaped model pretrained on
+    # sotu_gpt2 by config/gpt2_proxy_pretrain.py and exported with export_gpt2.py, fine-tuned on
+    # austen_gpt2 through --init_from=FOLDER with each of the four GPT-2 configs
+    'gpt2proxy': {f'{v}-proxy-s1': [f'config/finetune_gpt2_{v}.py', 'config/gpt2_proxy.py', '--seed=1']
+                  for v in ('vanilla', 'internal_taper', 'all_taper', 'fakeln')},
     # the contrast: the four variants on austen alone (3.3 epochs in the same 1500 steps)
     'austen': {f'{v}-austen-s1': BASE[:-1] + ['--dataset=austen'] + VARIANTS[v] + ['--calibration=end', '--seed=1']
                for v in VARIANTS},
@@ -150,6 +155,10 @@ def summarize(records):
     if calib is not None:
         out['calibrate'] = dict(iter=calib['iter'], s_tgt=calib['s_tgt'], c=calib['c'],
                                 mismatch=calib.get('mismatch'))
+        # the taper's spike: the largest loss from iteration W on, against the last loss before W
+        before = [r for r in steps if r['iter'] <= calib['iter']]
+        peak = max((r for r in steps if r['iter'] > calib['iter']), key=lambda r: r['loss'])
+        out['spike'] = dict(loss_at_W=before[-1]['loss'] if before else None, peak=peak['loss'], peak_iter=peak['iter'])
     return out
 
 
@@ -218,8 +227,12 @@ def run_cell(name, args, out_dir, results, threads):
         print(f"{name}: final_val_loss {results.data['cells'][name]['final_val_loss']:.4f} "
               f"({wall / 60:.1f} min)", flush=True)
         return status
-    if results.data['cells'].get(name, {}).get('status') != 'finished':  # finished before results.json knew
-        results.put(name, dict(status=status, args=args, **provenance(None, threads), **summarize(records)))
+    # a finished cell's summary is rebuilt from its log, so a new summary field reaches old cells
+    old = results.data['cells'].get(name)
+    if old is None or old.get('status') != 'finished':  # finished before results.json knew
+        old = dict(status=status, args=args, **provenance(None, threads))
+    if {**old, **summarize(records)} != old:
+        results.put(name, {**old, **summarize(records)})
     return status
 
 
@@ -241,20 +254,82 @@ def fmt(m_sd, digits=4, pct=False):
 
 
 # which tables a matrix reports: step times only from runs that had the machine to themselves
-TABLES = {'timing': ('steps',)}
+TABLES = {'timing': ('steps',), 'lr': ('lr', 'losses'), 'chasing': ('chasing',), 'gpt2proxy': ('losses',)}
 
 
-def tables(cells, parts=('losses', 'scales')):
+def tables(cells, parts=('losses', 'scales'), args=None, everything=None):
     """Markdown tables of the finished cells, grouped by the name without its seed: 'losses'
     (over seeds, with the per-seed paired difference to the baseline), 'scales' (the calibrate
-    event and the scale diagnostics), 'steps' (median step time per phase vs the baseline's)."""
+    event and the scale diagnostics), 'steps' (median step time per phase vs the baseline's),
+    'lr' (each variant at its best learning rate), 'chasing' (the taper's spike and the scale
+    diagnostics against the baseline at the same learning rate). args: {name: train.py
+    arguments} of the cells; everything: all cells of the results file (the baselines 'chasing'
+    compares with)."""
     groups = {}
     for name, c in cells.items():
         group, seed = name.rsplit('-s', 1)
         groups.setdefault(group, {})[int(seed)] = c
-    base_name = next((g for g in groups if g.startswith('baseline')), None)
-    make = {'losses': loss_table, 'scales': scale_table, 'steps': step_table}
-    return '\n\n'.join(make[p](groups, base_name) for p in parts)
+    base_name = next((g for g in groups if g.startswith(('baseline', 'vanilla'))), None)
+    make = {'losses': lambda: loss_table(groups, base_name), 'scales': lambda: scale_table(groups, base_name),
+            'steps': lambda: step_table(groups, base_name), 'lr': lambda: lr_table(cells, args),
+            'chasing': lambda: chasing_table(cells, args, everything or cells)}
+    return '\n\n'.join(make[p]() for p in parts)
+
+
+def arg(args, key, default=None):
+    """The value of --key=VALUE in a cell's train.py arguments (the last one given), as text."""
+    values = [a.split('=', 1)[1] for a in args if a.startswith(f'--{key}=')]
+    return values[-1] if values else default
+
+
+def lr_table(cells, args):
+    """Final val loss of each variant (the name before its first '-') at each peak learning
+    rate, its best learning rate, and the difference to the baseline at the baseline's best."""
+    by = {}
+    for name, c in cells.items():
+        by.setdefault(name.split('-')[0], {})[float(arg(args[name], 'learning_rate'))] = c
+    lrs = sorted({lr for v in by.values() for lr in v})
+    val = lambda c: c['final_val_loss'] if c['status'] == 'finished' else math.inf
+    best = {v: min(row, key=lambda lr: val(row[lr])) for v, row in by.items()}
+    base = next((v for v in by if v == 'baseline'), None)
+    lines = ["| variant | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | best lr | vs baseline at its best lr |",
+             "|---|" + "---|" * (len(lrs) + 2)]
+    for v, row in by.items():
+        cell = lambda lr: ('—' if lr not in row else f"diverged at {row[lr]['diverged_at']}"
+                           if row[lr]['status'] == 'diverged' else f"{row[lr]['final_val_loss']:.4f}")
+        diff = (f"{100 * (val(row[best[v]]) / val(by[base][best[base]]) - 1):+.2f} %"
+                if base and v != base else '—')
+        lines.append(f"| {v} | " + " | ".join(cell(lr) for lr in lrs) + f" | {best[v]:g} | {diff} |")
+    return '\n'.join(lines)
+
+
+def chasing_table(cells, args, everything):
+    """One row per cell: λ, W / T, peak learning rate; the largest loss from W on (and the loss
+    just before W); the largest hidden_rms s(h), logit_rms and |radial_cos|; the final val loss
+    against the baseline's at the same learning rate (the cell baseline-end-s1 or
+    baseline-lr{lr}-s1 of the results file). 'spiked': the loss from W on rose more than 10 %
+    above its value at W; 'recovered': the final train loss is below the loss at W again."""
+    lines = ["| cell | λ | W / T | lr | loss at W → largest after (iter) | spiked, recovered | "
+             "s(h) max | logit_rms max | abs radial_cos max | final val loss | vs baseline (same lr) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, c in cells.items():
+        a = args[name]
+        lr = float(arg(a, 'learning_rate', '0.002'))
+        head = (f"| {name} | {float(arg(a, 'aux_weight')):g} | {arg(a, 'gate_warmup_iters', '150')} / "
+                f"{arg(a, 'taper_iters', '750')} | {lr:g} |")
+        if c['status'] == 'diverged':
+            lines.append(head + f" diverged at {c['diverged_at']} |" + " |" * 6)
+            continue
+        sp = c['spike']
+        spiked = sp['peak'] > 1.1 * sp['loss_at_W']
+        base = everything.get('baseline-end-s1' if lr == 2e-3 else f'baseline-lr{lr:g}-s1', {})
+        vs = (f"{100 * (c['final_val_loss'] / base['final_val_loss'] - 1):+.2f} %"
+              if base.get('status') == 'finished' else '—')
+        lines.append(head + f" {sp['loss_at_W']:.2f} → {sp['peak']:.2f} ({sp['peak_iter']}) | "
+                     f"{'yes' if spiked else 'no'}, {'yes' if c['final_train_loss'] < sp['loss_at_W'] else 'no'} | "
+                     f"{c['hidden_rms_max']:.2f} | {c['logit_rms_max']:.2f} | {c['radial_cos_max']:.2g} | "
+                     f"{c['final_val_loss']:.4f} | {vs} |")
+    return '\n'.join(lines)
 
 
 def loss_table(groups, base_name):
@@ -352,8 +427,9 @@ def main(argv):
         if 'failed' in statuses:
             raise SystemExit(f"{statuses.count('failed')} cell(s) failed; fix and rerun the same command")
     if cfg.table or cfg.readme:
+        results.data = results.read()  # with what another driver has written meanwhile
         text = tables({n: results.data['cells'][n] for n in cells if n in results.data['cells']},
-                      TABLES.get(cfg.matrix, ('losses', 'scales')))
+                      TABLES.get(cfg.matrix, ('losses', 'scales')), cells, results.data['cells'])
         print(text)
         if cfg.readme:
             write_between_markers(cfg.readme, cfg.matrix, text)
