@@ -75,3 +75,64 @@ def test_plot_draws_the_runs_of_a_study(tiny_matrix, tmp_path):
     assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 10_000
     with pytest.raises(SystemExit, match='log.jsonl not found'):
         plot.main([f'--runs={tmp_path}/none', f'--out={png}'])
+
+
+def test_two_drivers_sharing_a_results_file_keep_each_others_cells(tmp_path):
+    path = str(tmp_path / 'results.json')
+    first, second = study.Results(path), study.Results(path)  # both read the file before either writes
+    first.put('a-s1', {'status': 'finished'})
+    second.put('b-s1', {'status': 'diverged'})
+    first.put('c-s1', {'status': 'finished'})
+    assert json.load(open(path))['cells'] == {'a-s1': {'status': 'finished'}, 'b-s1': {'status': 'diverged'},
+                                              'c-s1': {'status': 'finished'}}
+
+
+def step(it, loss, phase='warmup'):
+    return {'iter': it, 'loss': loss, 'phase': phase, 'hidden_rms': 1.0, 'logit_rms': 2.0, 'radial_cos': -0.01,
+            'step_ms': 5.0}
+
+
+def test_the_summary_finds_the_tapers_spike_after_the_calibration():
+    records = [step(0, 9.0), step(10, 6.0), {'event': 'calibrate', 'iter': 19, 's_tgt': 1.0, 'c': {}},
+               step(20, 5.5, 'taper'), step(30, 40.0, 'taper'), step(40, 5.0, 'linear'),
+               {'iter': 40, 'final_val_loss': 5.1, 'final_train_loss': 4.9}]
+    s = study.summarize(records)
+    # the largest loss overall is step 30's, and the spike is measured from the last loss before W
+    assert s['max_loss'] == 40.0 and s['spike'] == {'loss_at_W': 6.0, 'peak': 40.0, 'peak_iter': 30}
+    records[4]['loss'] = 5.2  # no spike: the largest loss after W is the first one
+    assert study.summarize(records)['spike'] == {'loss_at_W': 6.0, 'peak': 5.5, 'peak_iter': 20}
+
+
+def test_lr_table_compares_each_variant_at_its_own_best_learning_rate():
+    losses = {('baseline', 1e-3): 5.30, ('baseline', 2e-3): 5.10, ('baseline', 4e-3): 5.20,
+              ('internal', 1e-3): 5.25, ('internal', 2e-3): 5.15, ('internal', 4e-3): 5.05}
+    cells, args = {}, {}
+    for (v, lr), loss in losses.items():
+        cells[f'{v}-lr{lr:g}-s1'] = {'status': 'finished', 'final_val_loss': loss}
+        args[f'{v}-lr{lr:g}-s1'] = ['--taper=x', f'--learning_rate={lr:g}']
+    cells['internal-lr0.008-s1'] = {'status': 'diverged', 'diverged_at': 77}
+    args['internal-lr0.008-s1'] = ['--learning_rate=0.008']
+    rows = {r.split(' |')[0][2:]: r for r in study.tables(cells, ('lr',), args).splitlines()[2:]}
+    assert rows['baseline'] == '| baseline | 5.3000 | 5.1000 | 5.2000 | — | 0.002 | — |'
+    # internal's best is 4e-3: 5.05 / 5.10 - 1 = -0.98 %
+    assert rows['internal'] == '| internal | 5.2500 | 5.1500 | 5.0500 | diverged at 77 | 0.004 | -0.98 % |'
+
+
+def test_chasing_table_marks_a_spike_its_recovery_and_the_same_lr_baseline():
+    base = {'baseline-end-s1': {'status': 'finished', 'final_val_loss': 5.0},
+            'baseline-lr0.008-s1': {'status': 'finished', 'final_val_loss': 4.0}}
+    cell = lambda peak, train: {'status': 'finished', 'final_val_loss': 5.2, 'final_train_loss': train,
+                                'hidden_rms_max': 4.0, 'logit_rms_max': 3.0, 'radial_cos_max': 0.05,
+                                'spike': {'loss_at_W': 6.0, 'peak': peak, 'peak_iter': 33}}
+    cells = {'all-short-s1': cell(400.0, 5.0), 'all-lr0.008-s1': cell(6.5, 6.1),
+             'all_noaux-short-s1': {'status': 'diverged', 'diverged_at': 41}}
+    args = {'all-short-s1': ['--aux_weight=0.1', '--gate_warmup_iters=20', '--taper_iters=50'],
+            'all-lr0.008-s1': ['--aux_weight=0.0', '--learning_rate=0.008'],
+            'all_noaux-short-s1': ['--aux_weight=0.0', '--gate_warmup_iters=20', '--taper_iters=50']}
+    rows = study.tables(cells, ('chasing',), args, {**base, **cells}).splitlines()[2:]
+    assert rows[0] == ('| all-short-s1 | 0.1 | 20 / 50 | 0.002 | 6.00 → 400.00 (33) | yes, yes | 4.00 | 3.00 | '
+                       '0.05 | 5.2000 | +4.00 % |')  # 5.2 / 5.0 - 1
+    # 6.5 is not 10 % above 6.0: no spike; 6.1 > 6.0: not back below the loss at W; 5.2 / 4.0 - 1 = +30 %
+    assert rows[1] == ('| all-lr0.008-s1 | 0 | 150 / 750 | 0.008 | 6.00 → 6.50 (33) | no, no | 4.00 | 3.00 | '
+                       '0.05 | 5.2000 | +30.00 % |')
+    assert rows[2].startswith('| all_noaux-short-s1 | 0 | 20 / 50 | 0.002 | diverged at 41 |')
