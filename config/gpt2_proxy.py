@@ -16,5 +16,4 @@ device = 'cpu'
 block_size = 128         # the pretrained model's whole context
 batch_size = 8           # 8 × 128 = 1,024 tokens per step, as in pretraining
 gradient_accumulation_steps = 1
-eval_iters = 20          # 20 × 1,024 tokens per validation estimate
 out_dir = 'out-gpt2proxy-{taper}-{norm_removal}'

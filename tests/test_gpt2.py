@@ -8,6 +8,7 @@ offline. FakeLN and the data tests need nothing beyond requirements.txt.
 
 import importlib.util
 import json
+import os
 import sys
 import types
 from pathlib import Path
@@ -680,6 +681,25 @@ def test_the_finetune_configs_share_one_budget_and_finish_removing_norms_in_time
     pile_cfg = train.load_config([f'config/finetune_gpt2_{name}.py', '--dataset=pile'])
     assert pile_cfg.out_dir.startswith('out-gpt2-pile-')
 
+
+
+@pytest.mark.parametrize('name', ['vanilla', 'internal_taper', 'all_taper', 'fakeln'])
+def test_the_cpu_proxy_changes_only_the_size_of_each_finetune_config(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where the pretraining run has exported its folder (init_from must exist)
+    (tmp_path / 'study' / 'gpt2proxy-pretrain' / 'hf').mkdir(parents=True)
+    finetune, proxy = str(REPO / f'config/finetune_gpt2_{name}.py'), str(REPO / 'config/gpt2_proxy.py')
+    gpu = train.load_config([finetune])
+    cpu = train.load_config([finetune, proxy])
+    pre = train.load_config([str(REPO / 'config/gpt2_proxy_pretrain.py')])
+    size = {'init_from', 'dataset', 'device', 'block_size', 'batch_size', 'gradient_accumulation_steps',
+            'out_dir'}
+    assert {k for k in vars(gpu) if vars(gpu)[k] != vars(cpu)[k]} == size
+    # fine-tuned from what the pretraining run exports, at its whole context, in GPT-2's shape
+    assert cpu.init_from == os.path.join(pre.out_dir, 'hf') and cpu.block_size == pre.block_size
+    assert (pre.norm, pre.bias, pre.activation, pre.taper) == ('layernorm', True, 'gelu_tanh', 'none')
+    assert cpu.batch_size * cpu.gradient_accumulation_steps == pre.batch_size * pre.gradient_accumulation_steps
+    with pytest.raises(train.ConfigError, match='comes after the overlay .*gpt2_proxy.py'):
+        train.load_config([proxy, finetune])
 
 def test_bench_times_a_gpt2_checkpoint_next_to_a_baseline_with_its_activation(tmp_path):
     import bench
