@@ -698,7 +698,7 @@ def test_the_cpu_proxy_changes_only_the_size_of_each_finetune_config(name, tmp_p
     assert cpu.init_from == os.path.join(pre.out_dir, 'hf') and cpu.block_size == pre.block_size
     assert (pre.norm, pre.bias, pre.activation, pre.taper) == ('layernorm', True, 'gelu_tanh', 'none')
     assert cpu.batch_size * cpu.gradient_accumulation_steps == pre.batch_size * pre.gradient_accumulation_steps
-    with pytest.raises(train.ConfigError, match='comes after the overlay .*gpt2_proxy.py'):
+    with pytest.raises(SystemExit, match='comes after the overlay .*gpt2_proxy.py'):
         train.load_config([proxy, finetune])
 
 def test_bench_times_a_gpt2_checkpoint_next_to_a_baseline_with_its_activation(tmp_path):
