@@ -18,17 +18,20 @@ labels = ''                 # comma-separated legend labels (default: the folder
 out = 'plot.png'            # the PNG to write
 title = ''                  # a title over the panels
 smooth = 5                  # moving average over this many logged training steps (1: none)
+max_iter = 0                # draw steps up to this one only (0: the whole run)
+ce_span = 2.5               # the cross-entropy panel shows [lowest − 0.2, lowest + ce_span]; 0: everything (a spike)
 # -----------------------------------------------------------------------------
 
 
-def read_run(out_dir):
-    """(step records, calibrate record or None) of out_dir/log.jsonl; SystemExit if it has none."""
+def read_run(out_dir, max_iter=0):
+    """(step records up to max_iter (0: all), calibrate record or None) of out_dir/log.jsonl;
+    SystemExit if it has none."""
     path = os.path.join(out_dir, 'log.jsonl')
     if not os.path.exists(path):
         raise SystemExit(f"{path} not found: --runs takes the out_dir of train.py runs")
     with open(path) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    steps = [r for r in records if 'loss' in r]
+    steps = [r for r in records if 'loss' in r and (not max_iter or r['iter'] <= max_iter)]
     if not steps:
         raise SystemExit(f"{path} holds no training steps yet")
     return steps, next((r for r in records if r.get('event') == 'calibrate'), None)
@@ -58,7 +61,7 @@ def main(argv):
     gate_drawn = False
     for (key, label), ax in zip(panels, axes.flat):
         for i, (d, name) in enumerate(zip(dirs, names)):
-            steps, calib = read_run(d)
+            steps, calib = read_run(d, cfg.max_iter)
             color = f'C{i}'
             its = [r['iter'] for r in steps]
             ax.plot(its, moving_average([r.get(key, float('nan')) for r in steps], cfg.smooth), color=color,
@@ -80,9 +83,9 @@ def main(argv):
                 gate_drawn = True
         ax.set_title(label, fontsize=10)
         ax.grid(alpha=0.3)
-        if key == 'ce':
-            lo = min(min(r['ce'] for r in read_run(d)[0]) for d in dirs)
-            ax.set_ylim(lo - 0.2, lo + 2.5)
+        if key == 'ce' and cfg.ce_span:
+            lo = min(min(r['ce'] for r in read_run(d, cfg.max_iter)[0]) for d in dirs)
+            ax.set_ylim(lo - 0.2, lo + cfg.ce_span)
     axes[0, 0].legend(fontsize=8)
     for ax in axes[1]:
         ax.set_xlabel('step (dotted line: calibrate; dashed: s_tgt)')

@@ -75,6 +75,10 @@ def test_plot_draws_the_runs_of_a_study(tiny_matrix, tmp_path):
     assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 10_000
     with pytest.raises(SystemExit, match='log.jsonl not found'):
         plot.main([f'--runs={tmp_path}/none', f'--out={png}'])
+    # a window of the first steps (a spike, drawn whole with ce_span=0)
+    assert [r['iter'] for r in plot.read_run(out / 'all-end-s1', 5)[0]] == [0, 1, 2, 3, 4, 5]
+    plot.main([f'--runs={out}/all-end-s1', f'--out={png}', '--max_iter=6', '--ce_span=0', '--smooth=1'])
+    assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
 def test_two_drivers_sharing_a_results_file_keep_each_others_cells(tmp_path):
