@@ -71,7 +71,7 @@ def lr_cells(variants, lrs):
             for v, lr in itertools.product(variants, lrs)}
 
 
-LRS = (1e-3, 2e-3, 4e-3, 8e-3)
+LRS = (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)  # 1.6e-2: the baseline was still improving at 8e-3
 SHORT = ['--gate_warmup_iters=20', '--taper_iters=50']  # W = 20, T = 50 in the same 1500-step run
 MATRICES = {
     # the main comparison: four variants × three seeds with calibration='end', and the paper's
