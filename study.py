@@ -309,7 +309,7 @@ def chasing_table(cells, args, everything):
     against the baseline's at the same learning rate (the cell baseline-end-s1 or
     baseline-lr{lr}-s1 of the results file). 'spiked': the loss from W on rose more than 10 %
     above its value at W; 'recovered': the final train loss is below the loss at W again."""
-    lines = ["| cell | λ | W / T | lr | loss at W → largest after (iter) | spiked, recovered | "
+    lines = ["| cell | λ | W / T | lr | loss at W → largest after (iter) | spiked (recovered) | "
              "s(h) max | logit_rms max | abs radial_cos max | final val loss | vs baseline (same lr) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in cells.items():
@@ -326,7 +326,7 @@ def chasing_table(cells, args, everything):
         vs = (f"{100 * (c['final_val_loss'] / base['final_val_loss'] - 1):+.2f} %"
               if base.get('status') == 'finished' else '—')
         lines.append(head + f" {sp['loss_at_W']:.2f} → {sp['peak']:.2f} ({sp['peak_iter']}) | "
-                     f"{'yes' if spiked else 'no'}, {'yes' if c['final_train_loss'] < sp['loss_at_W'] else 'no'} | "
+                     f"{('yes, ' + ('yes' if c['final_train_loss'] < sp['loss_at_W'] else 'no')) if spiked else 'no'} | "
                      f"{c['hidden_rms_max']:.2f} | {c['logit_rms_max']:.2f} | {c['radial_cos_max']:.2g} | "
                      f"{c['final_val_loss']:.4f} | {vs} |")
     return '\n'.join(lines)

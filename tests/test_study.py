@@ -134,9 +134,11 @@ def test_chasing_table_marks_a_spike_its_recovery_and_the_same_lr_baseline():
             'all-lr0.008-s1': ['--aux_weight=0.0', '--learning_rate=0.008'],
             'all_noaux-short-s1': ['--aux_weight=0.0', '--gate_warmup_iters=20', '--taper_iters=50']}
     rows = study.tables(cells, ('chasing',), args, {**base, **cells}).splitlines()[2:]
+    spiked_again = dict(cell(400.0, 6.5), status='finished')  # spiked, and the final train loss is above the loss at W
+    assert '| yes, no |' in study.tables({'all-short-s1': spiked_again}, ('chasing',), args, base)
     assert rows[0] == ('| all-short-s1 | 0.1 | 20 / 50 | 0.002 | 6.00 → 400.00 (33) | yes, yes | 4.00 | 3.00 | '
                        '0.05 | 5.2000 | +4.00 % |')  # 5.2 / 5.0 - 1
-    # 6.5 is not 10 % above 6.0: no spike; 6.1 > 6.0: not back below the loss at W; 5.2 / 4.0 - 1 = +30 %
-    assert rows[1] == ('| all-lr0.008-s1 | 0 | 150 / 750 | 0.008 | 6.00 → 6.50 (33) | no, no | 4.00 | 3.00 | '
+    # 6.5 is not 10 % above 6.0: no spike (and so no recovery to speak of); 5.2 / 4.0 - 1 = +30 %
+    assert rows[1] == ('| all-lr0.008-s1 | 0 | 150 / 750 | 0.008 | 6.00 → 6.50 (33) | no | 4.00 | 3.00 | '
                        '0.05 | 5.2000 | +30.00 % |')
     assert rows[2].startswith('| all_noaux-short-s1 | 0 | 20 / 50 | 0.002 | diverged at 41 |')
