@@ -299,7 +299,8 @@ def lr_table(cells, args):
                            if row[lr]['status'] == 'diverged' else f"{row[lr]['final_val_loss']:.4f}")
         diff = (f"{100 * (val(row[best[v]]) / val(by[base][best[base]]) - 1):+.2f} %"
                 if base and v != base else '—')
-        lines.append(f"| {v} | " + " | ".join(cell(lr) for lr in lrs) + f" | {best[v]:g} | {diff} |")
+        so_far = ' (so far)' if len(row) < len(lrs) else ''  # not every learning rate has run yet
+        lines.append(f"| {v} | " + " | ".join(cell(lr) for lr in lrs) + f" | {best[v]:g}{so_far} | {diff} |")
     return '\n'.join(lines)
 
 
