@@ -232,8 +232,9 @@ def run_cell(name, args, out_dir, results, threads):
     old = results.data['cells'].get(name)
     if old is None or old.get('status') != 'finished':  # finished before results.json knew
         old = dict(status=status, args=args, **provenance(None, threads))
-    if {**old, **summarize(records)} != old:
-        results.put(name, {**old, **summarize(records)})
+    new = {**old, **summarize(records)}
+    if new != old:
+        results.put(name, new)
     return status
 
 
@@ -292,7 +293,7 @@ def lr_table(cells, args):
     lrs = sorted({lr for v in by.values() for lr in v})
     val = lambda c: c['final_val_loss'] if c['status'] == 'finished' else math.inf
     best = {v: min(row, key=lambda lr: val(row[lr])) for v, row in by.items()}
-    base = next((v for v in by if v == 'baseline'), None)
+    base = 'baseline' if 'baseline' in by else None
     lines = ["| variant | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | best lr | vs baseline at its best lr |",
              "|---|" + "---|" * (len(lrs) + 2)]
     for v, row in by.items():
