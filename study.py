@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from configurator import configure, defaults_of
+from configurator import configure, defaults_of, parse_args
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -278,10 +278,12 @@ def tables(cells, parts=('losses', 'scales'), args=None, everything=None):
     return '\n\n'.join(make[p]() for p in parts)
 
 
-def arg(args, key, default=None):
-    """The value of --key=VALUE in a cell's train.py arguments (the last one given), as text."""
-    values = [a.split('=', 1)[1] for a in args if a.startswith(f'--{key}=')]
-    return values[-1] if values else default
+def cell_config(args):
+    """A cell's whole train.py configuration as a dict: train.py's defaults, then the cell's
+    config files (relative to the repository) and overrides, resolved as train.py resolves them."""
+    import train  # its run is behind `if __name__ == '__main__'`; importing it only reads its keys
+    return parse_args([a if a.startswith('--') else os.path.join(ROOT, a) for a in args],
+                      defaults_of(vars(train)), train.CHOICES)
 
 
 def lr_table(cells, args):
@@ -289,7 +291,7 @@ def lr_table(cells, args):
     rate, its best learning rate, and the difference to the baseline at the baseline's best."""
     by = {}
     for name, c in cells.items():
-        by.setdefault(name.split('-')[0], {})[float(arg(args[name], 'learning_rate'))] = c
+        by.setdefault(name.split('-')[0], {})[cell_config(args[name])['learning_rate']] = c
     lrs = sorted({lr for v in by.values() for lr in v})
     val = lambda c: c['final_val_loss'] if c['status'] == 'finished' else math.inf
     best = {v: min(row, key=lambda lr: val(row[lr])) for v, row in by.items()}
@@ -316,10 +318,9 @@ def chasing_table(cells, args, everything):
              "s(h) max | logit_rms max | abs radial_cos max | final val loss | vs baseline (same lr) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in cells.items():
-        a = args[name]
-        lr = float(arg(a, 'learning_rate', '0.002'))
-        head = (f"| {name} | {float(arg(a, 'aux_weight')):g} | {arg(a, 'gate_warmup_iters', '150')} / "
-                f"{arg(a, 'taper_iters', '750')} | {lr:g} |")
+        a = cell_config(args[name])
+        lr = a['learning_rate']
+        head = f"| {name} | {a['aux_weight']:g} | {a['gate_warmup_iters']} / {a['taper_iters']} | {lr:g} |"
         if c['status'] == 'diverged':
             lines.append(head + f" diverged at {c['diverged_at']} |" + " |" * 6)
             continue

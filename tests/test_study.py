@@ -123,6 +123,14 @@ def test_lr_table_compares_each_variant_at_its_own_best_learning_rate():
     assert rows['internal'] == '| internal | 5.2500 | 5.1500 | 5.0500 | diverged at 77 | 0.004 | -0.98 % |'
 
 
+def test_a_cells_configuration_is_resolved_as_train_py_resolves_it():
+    # values read off train.py's defaults and the two config files by hand
+    cfg = study.cell_config(['config/tinystories_baseline.py', 'config/cpu.py', '--learning_rate=0.008'])
+    assert (cfg['learning_rate'], cfg['gate_warmup_iters'], cfg['n_embd'], cfg['beta2']) == (0.008, 150, 64, 0.95)
+    cfg = study.cell_config(['config/tinystories_baseline.py', '--taper_iters=50'])
+    assert (cfg['learning_rate'], cfg['gate_warmup_iters'], cfg['taper_iters']) == (1e-3, 500, 50)
+
+
 def test_chasing_table_marks_a_spike_its_recovery_and_the_same_lr_baseline():
     base = {'baseline-end-s1': {'status': 'finished', 'final_val_loss': 5.0},
             'baseline-lr0.008-s1': {'status': 'finished', 'final_val_loss': 4.0}}
@@ -131,9 +139,10 @@ def test_chasing_table_marks_a_spike_its_recovery_and_the_same_lr_baseline():
                                 'spike': {'loss_at_W': 6.0, 'peak': peak, 'peak_iter': 33}}
     cells = {'all-short-s1': cell(400.0, 5.0), 'all-lr0.008-s1': cell(6.5, 6.1),
              'all_noaux-short-s1': {'status': 'diverged', 'diverged_at': 41}}
-    args = {'all-short-s1': ['--aux_weight=0.1', '--gate_warmup_iters=20', '--taper_iters=50'],
-            'all-lr0.008-s1': ['--aux_weight=0.0', '--learning_rate=0.008'],
-            'all_noaux-short-s1': ['--aux_weight=0.0', '--gate_warmup_iters=20', '--taper_iters=50']}
+    # W, T and lr not given come from config/cpu.py (150, 750, 2e-3), as in train.py
+    args = {'all-short-s1': ['config/cpu.py', '--aux_weight=0.1', '--gate_warmup_iters=20', '--taper_iters=50'],
+            'all-lr0.008-s1': ['config/cpu.py', '--aux_weight=0.0', '--learning_rate=0.008'],
+            'all_noaux-short-s1': ['config/cpu.py', '--aux_weight=0.0', '--gate_warmup_iters=20', '--taper_iters=50']}
     rows = study.tables(cells, ('chasing',), args, {**base, **cells}).splitlines()[2:]
     spiked_again = dict(cell(400.0, 6.5), status='finished')  # spiked, and the final train loss is above the loss at W
     assert '| yes, no |' in study.tables({'all-short-s1': spiked_again}, ('chasing',), args, base)
