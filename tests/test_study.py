@@ -152,3 +152,20 @@ def test_chasing_table_marks_a_spike_its_recovery_and_the_same_lr_baseline():
     assert rows[1] == ('| all-lr0.008-s1 | 0 | 150 / 750 | 0.008 | 6.00 → 6.50 (33) | no | 4.00 | 3.00 | '
                        '0.05 | 5.2000 | +30.00 % |')
     assert rows[2].startswith('| all_noaux-short-s1 | 0 | 20 / 50 | 0.002 | diverged at 41 |')
+
+
+def test_a_cell_name_shared_by_two_matrices_is_one_configuration():
+    # matrices reuse each other's runs by name (the lr matrix's 2e-3 cells are the main
+    # matrix's, the 3M_lr matrix's are the 3M matrix's): the name must mean the same run
+    # ('tiny', the tests' toy matrix, runs into a study folder of its own)
+    seen, shared = {}, 0
+    for matrix, cells in study.MATRICES.items():
+        if matrix == 'tiny':
+            continue
+        for name, args in cells.items():
+            cfg = study.cell_config(args)
+            if name in seen:
+                shared += 1
+                assert cfg == seen[name][1], f"{name}: {seen[name][0]} and {matrix} train different runs"
+            seen.setdefault(name, (matrix, cfg))
+    assert shared >= 8  # main ↔ lr (2), main ↔ chasing (2), lr ↔ tuned (2), 3M ↔ 3M_lr (2)
