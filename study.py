@@ -263,7 +263,7 @@ def fmt(m_sd, digits=4, pct=False):
 
 
 # which tables a matrix reports: step times only from runs that had the machine to themselves
-TABLES = {'timing': ('steps',), 'lr': ('lr',), 'chasing': ('chasing',), 'gpt2proxy': ('losses',)}
+TABLES = {'timing': ('steps',), 'lr': ('lr',), '3M_lr': ('lr',), 'chasing': ('chasing',), 'gpt2proxy': ('losses',)}
 
 
 def tables(cells, parts=('losses', 'scales'), args=None, everything=None):
