@@ -102,6 +102,8 @@ MATRICES = {
     'tuned': {**lr_cells(('baseline',), (1.6e-2,), (1, 2, 3)), **lr_cells(('internal',), (8e-3,), (1, 2, 3))},
     # the 3M model away from lr 2e-3 (its cells at 2e-3 are the 3M matrix's)
     '3M_lr': lr_cells(('baseline', 'internal'), (2e-3, 8e-3, 1.6e-2), size=SIZE_3M),
+    # seed 2 at the 3M model's best learning rate (both variants: 8e-3)
+    '3M_tuned': lr_cells(('baseline', 'internal'), (8e-3,), (1, 2), size=SIZE_3M),
     # the CPU proxy of the GPT-2 family (README): the small GPT-2-shaped model pretrained on
     # sotu_gpt2 by config/gpt2_proxy_pretrain.py and exported with export_gpt2.py, fine-tuned on
     # austen_gpt2 through --init_from=FOLDER with each of the four GPT-2 configs
