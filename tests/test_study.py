@@ -169,3 +169,15 @@ def test_a_cell_name_shared_by_two_matrices_is_one_configuration():
                 assert cfg == seen[name][1], f"{name}: {seen[name][0]} and {matrix} train different runs"
             seen.setdefault(name, (matrix, cfg))
     assert shared >= 8  # main ↔ lr (2), main ↔ chasing (2), lr ↔ tuned (2), 3M ↔ 3M_lr (2)
+
+
+def test_a_cells_name_tells_its_seed_learning_rate_and_size():
+    # the tables group and pair cells by name, so the name must match the run it declares
+    for matrix in ('main', 'lr', 'tuned', 'chasing', '3M', '3M_lr', '3M_tuned', 'austen'):
+        for name, args in study.MATRICES[matrix].items():
+            cfg = study.cell_config(args)
+            rest, seed = name.rsplit('-s', 1)
+            assert cfg['seed'] == int(seed), name
+            lr = next((p[2:] for p in rest.split('-') if p.startswith('lr')), None)
+            assert cfg['learning_rate'] == (float(lr) if lr else 2e-3), name  # 2e-3: config/cpu.py's
+            assert cfg['n_embd'] == (128 if '-3M' in rest else 64), name
