@@ -62,18 +62,20 @@ def cells_of(variants, seeds, calibration='end'):
             for v, s in itertools.product(variants, seeds)}
 
 
-def lr_cells(variants, lrs, seeds=(1,), size=()):
+SIZES = {'': (), '3M': ('--n_embd=128', '--n_head=4')}  # model overrides by name: the 1M and 3M rows of the docs/method.md §6 ladder
+
+
+def lr_cells(variants, lrs, seeds=(1,), size=''):
     """{cell name: train.py arguments} for every variant × peak learning rate × seed, with
-    min_lr = lr / 10 as in config/cpu.py; size: the model's overrides ('3M': SIZE_3M, named in
-    the cell). The lr = 2e-3 cells are the main and 3M matrices' own runs."""
-    tag = '-3M' if size else ''
+    min_lr = lr / 10 as in config/cpu.py, for the model SIZES[size] (named in the cell). The
+    lr = 2e-3 cells are the main and 3M matrices' own runs."""
+    tag = f'-{size}' if size else ''
     name = lambda v, lr, s: (f'{v}{tag or "-end"}-s{s}' if lr == 2e-3 else f'{v}{tag}-lr{lr:g}-s{s}')
-    return {name(v, lr, s): BASE + VARIANTS[v] + list(size) + ['--calibration=end', f'--seed={s}',
-                                                               f'--learning_rate={lr:g}', f'--min_lr={lr / 10:g}']
+    return {name(v, lr, s): BASE + VARIANTS[v] + list(SIZES[size]) + ['--calibration=end', f'--seed={s}',
+                                                                     f'--learning_rate={lr:g}', f'--min_lr={lr / 10:g}']
             for v, lr, s in itertools.product(variants, lrs, seeds)}
 
 
-SIZE_3M = ('--n_embd=128', '--n_head=4')  # the 3M row of the docs/method.md §6 ladder
 LRS = (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)  # 1.6e-2: the baseline was still improving at 8e-3
 SHORT = ['--gate_warmup_iters=20', '--taper_iters=50']  # W = 20, T = 50 in the same 1500-step run
 MATRICES = {
@@ -96,14 +98,14 @@ MATRICES = {
                    for v in ('all_noaux', 'all', 'internal')},
                 **{n: a + ['--log_interval=1'] for n, a in lr_cells(('all_noaux', 'all'), (8e-3,)).items()}},
     # the 3M model of the docs/method.md §6 ladder (n_embd=128, n_head=4), seed 1
-    '3M': {f'{v}-3M-s1': BASE + VARIANTS[v] + list(SIZE_3M) + ['--calibration=end', '--seed=1']
+    '3M': {f'{v}-3M-s1': BASE + VARIANTS[v] + list(SIZES['3M']) + ['--calibration=end', '--seed=1']
            for v in ('baseline', 'internal', 'all')},
     # seeds 2 and 3 at each variant's best learning rate of the 'lr' matrix (seed 1 is its own)
     'tuned': {**lr_cells(('baseline',), (1.6e-2,), (1, 2, 3)), **lr_cells(('internal',), (8e-3,), (1, 2, 3))},
     # the 3M model away from lr 2e-3 (its cells at 2e-3 are the 3M matrix's)
-    '3M_lr': lr_cells(('baseline', 'internal'), (2e-3, 8e-3, 1.6e-2), size=SIZE_3M),
+    '3M_lr': lr_cells(('baseline', 'internal'), (2e-3, 8e-3, 1.6e-2), size='3M'),
     # seed 2 at the 3M model's best learning rate (both variants: 8e-3)
-    '3M_tuned': lr_cells(('baseline', 'internal'), (8e-3,), (1, 2), size=SIZE_3M),
+    '3M_tuned': lr_cells(('baseline', 'internal'), (8e-3,), (1, 2), size='3M'),
     # the CPU proxy of the GPT-2 family (README): the small GPT-2-shaped model pretrained on
     # sotu_gpt2 by config/gpt2_proxy_pretrain.py and exported with export_gpt2.py, fine-tuned on
     # austen_gpt2 through --init_from=FOLDER with each of the four GPT-2 configs

@@ -180,4 +180,5 @@ def test_a_cells_name_tells_its_seed_learning_rate_and_size():
             assert cfg['seed'] == int(seed), name
             lr = next((p[2:] for p in rest.split('-') if p.startswith('lr')), None)
             assert cfg['learning_rate'] == (float(lr) if lr else 2e-3), name  # 2e-3: config/cpu.py's
+            assert cfg['min_lr'] == pytest.approx(cfg['learning_rate'] / 10), name  # cpu.py: 2e-3 → 2e-4
             assert cfg['n_embd'] == (128 if '-3M' in rest else 64), name
