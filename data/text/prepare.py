@@ -6,9 +6,10 @@ Prepare a plain-text corpus (UTF-8) as data/NAME/{train.bin,val.bin,meta.json}:
     python data/text/prepare.py --name=kjv --input=kjv.txt
     python data/text/prepare.py --name=mix --input=a.txt --input=b.txt --vocab_size=0
 
-Each input file is one document (GPT-2 BPE, end-of-text after it). Its last 5 % of characters,
-cut at a line break, goes to the validation split, the rest to training, so the two never
-overlap. Line endings are normalized to "\\n". --vocab_size=K (default 10000) keeps the K - 1
+Each input file is one document (GPT-2 BPE, end-of-text after it), or, where it holds lines that
+hold only a form feed ("\\f"), one document per part between such lines (a manual's pages, say).
+Its last 5 % of characters goes to the validation split, the rest to training, so the two never
+overlap: cut at a line break (one document) or between documents (several). Line endings are normalized to "\\n". --vocab_size=K (default 10000) keeps the K - 1
 most frequent training tokens plus <unk>; 0 keeps the full GPT-2 vocabulary. --out_dir=DIR
 writes somewhere other than data/NAME/. See data/common.py for the format.
 
@@ -19,6 +20,7 @@ lines), each novel one document, so the validation split is the last 5 % of ever
 """
 
 import argparse
+import itertools
 import os
 import re
 import sys
@@ -115,13 +117,37 @@ def split_at_line(text, val_fraction=VAL_FRACTION):
     return text[:cut], text[cut:]
 
 
+# a line holding only a form feed ends a document (the separator of files that hold many)
+_DOC_SEPARATOR = re.compile(r"^\f(?:\n|$)", re.M)
+
+
+def split_documents(docs, val_fraction=VAL_FRACTION):
+    """Cut a list of documents (str) into (train docs, val docs) at the boundary between two
+    documents nearest to the last val_fraction of the characters (the earlier one on a tie), so
+    no document is in both splits. Returns None for fewer than two documents."""
+    target, ends = (1 - val_fraction) * sum(map(len, docs)), list(itertools.accumulate(map(len, docs)))
+    if len(docs) < 2:
+        return None
+    k = min(range(1, len(docs)), key=lambda k: abs(ends[k - 1] - target))
+    return docs[:k], docs[k:]
+
+
 def read_split(path):
-    """(train, val) text of one input file; SystemExit if it cannot be split."""
-    parts = split_at_line(common.read_text(path))
+    """(train documents, val documents) of one input file, lists of str: the file is one
+    document cut at a line break (split_at_line), or, where it has form-feed lines, the
+    documents between them cut between documents (split_documents). SystemExit if it cannot
+    be split."""
+    text = common.read_text(path)
+    docs = [d for d in _DOC_SEPARATOR.split(text) if d.strip()]
+    if len(docs) > 1:
+        parts = split_documents(docs)
+    else:
+        parts = split_at_line(text)
+        parts = parts and ([parts[0]], [parts[1]])
     if parts is None:
         raise SystemExit(f"{path} is too short to split: the validation split is its last "
                          f"{VAL_FRACTION:.0%} cut at a line break, so it needs at least two "
-                         "non-empty lines")
+                         "non-empty lines (or two documents, separated by form-feed lines)")
     return parts
 
 
@@ -161,7 +187,7 @@ def main(argv=None):
     try:
         # the files are read twice (once per split) rather than kept: a corpus may be large
         for i, split in enumerate(("train", "val")):
-            docs = (read_split(path)[i] for path in paths)
+            docs = (doc for path in paths for doc in read_split(path)[i])
             common.encode_documents(docs, tmp[split], desc=split)
         splits = {split: [(tmp[split], 0, os.path.getsize(tmp[split]) // 2)]
                   for split in ("train", "val")}
