@@ -28,6 +28,7 @@ starts from GPT-2's weights (model.GPT.from_pretrained): the model shape comes f
 except keys set explicitly, which must agree with it.
 """
 
+import functools
 import json
 import math
 import os
@@ -65,6 +66,7 @@ dtype = 'auto'              # 'auto' (bfloat16 autocast where supported, else fl
 compile = 'auto'            # 'auto' (on for CUDA, off for CPU) | True | False
 backend = 'auto'            # DDP backend: 'auto' ('nccl' on CUDA, else 'gloo') | 'nccl' | 'gloo'
 seed = 1337                 # initial weights, batches, dropout: a run is a function of its config
+sampler = 'random'          # training windows: 'random' (random starts, drawn with replacement) | 'epoch' (a seeded permutation of train.bin's non-overlapping windows, each read at most once; a run that needs more than one pass is refused)
 # model
 n_layer = 8                 # the 9M row of the model ladder (docs/method.md §6)
 n_head = 4
@@ -72,11 +74,12 @@ n_embd = 256
 block_size = 512            # context length
 dropout = 0.0
 bias = True                 # biases in Linear layers and LayerNorm β (GPT-2 style)
-norm = 'rmsnorm'            # 'rmsnorm' | 'layernorm'
+norm = 'rmsnorm'            # 'rmsnorm' | 'layernorm' | 'dyt' (DyT, Zhu et al. 2025: γ ⊙ tanh(α·h) + β everywhere; baselines.py)
 norm_eps = 1e-5             # ε of every norm, r(h) and s(h)
 activation = 'gelu'         # the MLP's GELU: 'gelu' (exact) | 'gelu_tanh' (GPT-2's gelu_new)
 taper = 'none'              # 'none' | 'internal' | 'all'
 aux_weight = 0.0            # λ of the scale-anchor loss L_aux
+aux_form = 'absolute'       # 'absolute': λ·mean (s(h) − s_tgt)², the paper's | 'relative': λ·mean (s(h)/s_tgt − 1)², beyond the paper
 norm_removal = 'none'       # 'none' | 'fakeln': the FakeLN baseline (with taper='none'; docs/method.md §7)
 fakeln_interval = 30        # FakeLN: steps between its events (ln_2, ln_1, ln_f, first position at 1, 2, 3, 4 ×); 30: the gaps of Baroni et al.'s GPT-2 small schedule (all norms gone by step ~104 of 300), one kind at a time
 # batch: tokens per optimizer step = batch_size * block_size * gradient_accumulation_steps * world
@@ -105,13 +108,13 @@ log_interval = 10           # a log.jsonl record every this many steps
 
 # ---- configuration ----------------------------------------------------------------------
 
-CHOICES = dict(compile=('auto', True, False), calibration=('end', 'ema'),
+CHOICES = dict(compile=('auto', True, False), calibration=('end', 'ema'), sampler=('random', 'epoch'),
                dtype=('auto', 'float32', 'bfloat16'), backend=('auto', 'nccl', 'gloo'))
 # keys a resumed run may change: they cannot change its result (where it runs, how often it logs)
 RESUME_FREE = ('init_from', 'overwrite', 'out_dir', 'data_dir', 'device', 'compile', 'backend', 'eval_interval',
                'log_interval')
 MODEL_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout', 'norm', 'norm_eps', 'activation',
-              'taper', 'aux_weight', 'norm_removal')  # GPTConfig's fields set here (vocab_size comes from the dataset)
+              'taper', 'aux_weight', 'aux_form', 'norm_removal')  # GPTConfig's fields set here (vocab_size comes from the dataset)
 SHAPE_KEYS = tuple(k for k in MODEL_KEYS if k in PRETRAINED_SHAPE or k == 'block_size')  # init_from=gpt2 sets them
 
 
@@ -301,8 +304,45 @@ def check_dataset(folder, block_size, fix):
 def batch_rng(seed, *stream):
     """A numpy Generator determined by (seed, *stream): batches depend on nothing else.
     Streams: (0, it, rank, micro) training, (1, k) evaluation, (2, rank, k) calibration,
-    (3,) the final training-loss windows."""
+    (3,) the final training-loss windows, (4,) the order of sampler='epoch'."""
     return np.random.default_rng(np.random.SeedSequence([seed, *stream]))
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_order(n_tokens, block_size, seed):
+    """sampler='epoch': a seeded permutation of the (n_tokens − 1) // block_size non-overlapping
+    windows of a split (window i starts at token i · block_size), int64 array."""
+    return batch_rng(seed, 4).permutation((n_tokens - 1) // block_size)
+
+
+def windows_per_step(cfg, env):
+    """Training windows one optimizer step reads, over every micro-batch and rank."""
+    return cfg.batch_size * cfg.gradient_accumulation_steps * env.world
+
+
+def check_one_pass(folder, cfg, env):
+    """sampler='epoch': SystemExit unless max_iters steps fit in one pass of train.bin."""
+    n = os.path.getsize(os.path.join(folder, 'train.bin')) // 2
+    have, per_step = (n - 1) // cfg.block_size, windows_per_step(cfg, env)
+    if cfg.max_iters * per_step > have:
+        raise SystemExit(f"sampler='epoch': max_iters={cfg.max_iters} steps × {per_step} windows of "
+                         f"{cfg.block_size} tokens need {cfg.max_iters * per_step:,} windows, but one pass "
+                         f"of {folder}/train.bin holds {have:,}: use max_iters <= {have // per_step}, "
+                         "or sampler='random' (windows drawn with replacement)")
+
+
+def train_batch(folder, cfg, env, it, micro):
+    """Micro-batch `micro` of iteration it on this rank: x, y (batch_size, block_size). 'random':
+    random windows from the (seed, 0, it, rank, micro) stream; 'epoch': entries
+    j = ((it · world + rank) · gradient_accumulation_steps + micro) · batch_size + b of
+    epoch_order, so no window is read twice and resume and DDP see the same windows."""
+    if cfg.sampler == 'random':
+        return get_batch(folder, 'train', batch_rng(cfg.seed, 0, it, env.rank, micro), cfg.batch_size,
+                         cfg.block_size, env.dev)
+    data = np.memmap(os.path.join(folder, 'train.bin'), dtype=np.uint16, mode='r')
+    first = ((it * env.world + env.rank) * cfg.gradient_accumulation_steps + micro) * cfg.batch_size
+    order = epoch_order(len(data), cfg.block_size, cfg.seed)
+    return windows(data, order[first:first + cfg.batch_size] * cfg.block_size, cfg.block_size, env.dev)
 
 
 def windows(data, starts, block_size, device):
@@ -404,8 +444,7 @@ def train_step(train_model, raw_model, optimizer, folder, cfg, env, it, stopping
     for micro in range(cfg.gradient_accumulation_steps):
         if env.ddp:  # all-reduce gradients on the last micro-step only
             train_model.require_backward_grad_sync = micro == cfg.gradient_accumulation_steps - 1
-        x, y = get_batch(folder, 'train', batch_rng(cfg.seed, 0, it, env.rank, micro),
-                         cfg.batch_size, cfg.block_size, env.dev)
+        x, y = train_batch(folder, cfg, env, it, micro)
         with env.autocast:
             _, loss = train_model(x, y)
         (loss / cfg.gradient_accumulation_steps).backward()
@@ -587,8 +626,10 @@ def main(argv):
     env = setup(cfg)
     if env.compile:
         check_compiler(env.dev)
-    tokens_per_iter = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps * env.world
+    tokens_per_iter = windows_per_step(cfg, env) * cfg.block_size
     folder, meta = find_dataset(cfg, may_prepare=not env.ddp)
+    if cfg.sampler == 'epoch':
+        check_one_pass(folder, cfg, env)
     model_args = {k: getattr(cfg, k) for k in MODEL_KEYS}
     model_args['vocab_size'] = meta['vocab_size']
     if ckpt is not None and GPTConfig(**ckpt['model_args']) != GPTConfig(**model_args):  # older ones lack new keys
