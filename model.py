@@ -43,11 +43,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-NORMS = ('rmsnorm', 'layernorm')
+NORMS = ('rmsnorm', 'layernorm', 'dyt')  # 'dyt': the DyT baseline (baselines.py), no per-token statistics
 TAPERS = ('none', 'internal', 'all')
 PHASES = ('warmup', 'taper', 'linear')  # 'baseline' is the phase of a model with taper='none'
 ACTIVATIONS = ('gelu', 'gelu_tanh')  # the MLP's GELU: exact (erf) | tanh approximation (GPT-2's gelu_new)
 NORM_REMOVALS = ('none', 'fakeln')
+AUX_FORMS = ('absolute', 'relative')  # L_aux: the paper's λ·(s − s_tgt)², or λ·(s/s_tgt − 1)² (beyond the paper)
 # what FakeLN's removal events remove, in order (docs/method.md §7): event k is due at k · fakeln_interval
 FAKELN_EVENTS = ('ln_2', 'ln_1', 'ln_f', 'first_position')
 # the model ladder of docs/method.md §6 (vocabulary 10k, context 512, tied head), shared by config/ and bench.py
@@ -65,9 +66,10 @@ class GPTConfig:
     n_embd: int = 256
     dropout: float = 0.0
     bias: bool = True           # biases in Linear layers and LayerNorm β (GPT-2 style)
-    norm: str = 'rmsnorm'       # 'rmsnorm' | 'layernorm' (TaperLN, for GPT-2)
+    norm: str = 'rmsnorm'       # 'rmsnorm' | 'layernorm' (TaperLN, for GPT-2) | 'dyt' (the DyT baseline, taper='none')
     taper: str = 'none'         # 'none' (baseline) | 'internal' (ln_1, ln_2) | 'all' (+ ln_f)
     aux_weight: float = 0.0     # λ of L_aux (docs/method.md §4); 0 disables it
+    aux_form: str = 'absolute'  # 'absolute': the paper's L_aux | 'relative': (s/s_tgt − 1)², beyond the paper (aux_loss)
     norm_eps: float = 1e-5      # ε, passed explicitly to every norm
     activation: str = 'gelu'    # the MLP's GELU: 'gelu' (exact) | 'gelu_tanh' (GPT-2's gelu_new)
     norm_removal: str = 'none'  # 'none' | 'fakeln': the FakeLN baseline (docs/method.md §7), taper='none'
@@ -82,6 +84,12 @@ class GPTConfig:
             raise ValueError(f"activation={self.activation!r}: choose one of {ACTIVATIONS}")
         if self.norm_removal not in NORM_REMOVALS:
             raise ValueError(f"norm_removal={self.norm_removal!r}: choose one of {NORM_REMOVALS}")
+        if self.aux_form not in AUX_FORMS:
+            raise ValueError(f"aux_form={self.aux_form!r}: choose one of {AUX_FORMS}")
+        if self.norm == 'dyt' and (self.taper != 'none' or self.norm_removal != 'none'):
+            raise ValueError(f"norm='dyt' is a baseline of its own (every norm a DyT, none tapered or "
+                             f"removed): it needs taper='none' and norm_removal='none' (got "
+                             f"taper={self.taper!r}, norm_removal={self.norm_removal!r})")
         if self.norm_removal != 'none' and self.taper != 'none':
             raise ValueError(f"norm_removal={self.norm_removal!r} is a baseline of its own: it needs "
                              f"taper='none' (got taper={self.taper!r})")
@@ -145,13 +153,18 @@ def norm_scale(h, kind, eps):
     return torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def aux_loss(s, s_tgt, aux_weight):
+def aux_loss(s, s_tgt, aux_weight, form='absolute'):
     """L_aux = λ · mean_tokens (s(h) − s_tgt)², the explicit scale anchor (docs/method.md §4).
 
+    form='relative' (beyond the paper) is λ · mean_tokens (s(h)/s_tgt − 1)²: the same anchor in
+    units of s_tgt, so its pull on a token does not grow with the scale the model calibrated to.
     s: (B, T, 1) = norm_scale(h) of the residual stream h before the final norm; s_tgt: 0-dim
-    tensor; returns a 0-dim tensor. Its gradient with respect to each token's h is radial (along
-    h, or P h for the LN kind), so it fixes the scale of h without steering its direction.
+    tensor (> 0 for 'relative'); returns a 0-dim tensor. Its gradient with respect to each token's
+    h is radial (along h, or P h for the LN kind), so it fixes the scale of h without steering its
+    direction.
     """
+    if form == 'relative':
+        return aux_weight * (s / s_tgt - 1).pow(2).mean()
     return aux_weight * (s - s_tgt).pow(2).mean()
 
 
@@ -451,9 +464,9 @@ class Block(nn.Module):
 
     def __init__(self, config, make_norm):
         super().__init__()
-        self.ln_1 = make_norm()
+        self.ln_1 = make_norm('ln_1')
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = make_norm()
+        self.ln_2 = make_norm('ln_2')
         self.mlp = MLP(config)
 
     def forward(self, x, gate, input_pos=None, mask=None, pos=None):
@@ -476,8 +489,11 @@ class GPT(nn.Module):
         self.config = config
         kind, eps = config.norm, config.norm_eps
 
-        def make_norm(final=False):
-            if not config.removable(final):
+        def make_norm(where):  # 'ln_1' | 'ln_2' | 'ln_f'
+            if kind == 'dyt':
+                from baselines import DYT_ALPHA0, DyT
+                return DyT(config.n_embd, DYT_ALPHA0[where])
+            if not config.removable(final=where == 'ln_f'):
                 return Norm(config.n_embd, kind, config.bias, eps)
             if config.folded:
                 return None  # merged into the next linear layer by fold.py
@@ -488,7 +504,7 @@ class GPT(nn.Module):
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config, make_norm) for _ in range(config.n_layer)]),
-            ln_f=make_norm(final=True),
+            ln_f=make_norm('ln_f'),
         ))
         # a folded LayerNorm's β̃ reaches the logits as W β̃: the folded head carries it as a bias (docs/method.md §5)
         head_bias = config.untied_head() and config.norm == 'layernorm' and config.bias
@@ -769,7 +785,7 @@ class GPT(nn.Module):
             with torch.no_grad():  # s_tgt's statistic, once per micro-batch
                 self.step_hidden_rms += hidden_rms
                 self.step_micro += 1
-        aux = aux_loss(s, self.s_tgt, self.config.aux_weight) if aux_on else None
+        aux = aux_loss(s, self.s_tgt, self.config.aux_weight, self.config.aux_form) if aux_on else None
 
         if torch.is_grad_enabled():  # backward leaves mean cos(∂CE/∂h, h) in radial_sink.grad
             x = RadialCos.apply(x, self.radial_sink)  # below this point only CE depends on x
