@@ -16,6 +16,7 @@ OMP_NUM_THREADS=threads; jobs cells run at once (2 on a 2-core machine).
 """
 
 import fcntl
+import hashlib
 import itertools
 import json
 import math
@@ -62,7 +63,8 @@ def cells_of(variants, seeds, calibration='end'):
             for v, s in itertools.product(variants, seeds)}
 
 
-SIZES = {'': (), '3M': ('--n_embd=128', '--n_head=4')}  # model overrides by name: the 1M and 3M rows of the docs/method.md §6 ladder
+# model overrides by name: rows of the docs/method.md §6 ladder ('' and '1M': config/cpu.py's own model)
+SIZES = {'': (), '0.4M': ('--n_embd=32', '--n_head=1'), '1M': (), '3M': ('--n_embd=128', '--n_head=4')}
 
 
 def lr_cells(variants, lrs, seeds=(1,), size=''):
@@ -75,6 +77,37 @@ def lr_cells(variants, lrs, seeds=(1,), size=''):
                                                                      f'--learning_rate={lr:g}', f'--min_lr={lr / 10:g}']
             for v, lr, s in itertools.product(variants, lrs, seeds)}
 
+
+# part 3, the budget ladder: mix7 (the seven corpora, 18.5M training tokens) read once, in
+# config/cpu.py's proportions (W, the LR warmup: 10 % of the run, T: 50 %; min_lr = lr / 10)
+BASE7 = ['config/tinystories_baseline.py', 'config/cpu.py', '--dataset=mix7', '--sampler=epoch']
+VARIANTS7 = {  # every tapered cell names its calibration
+    'baseline': VARIANTS['baseline'],
+    'internal': VARIANTS['internal'] + ['--calibration=end'],
+    'all': VARIANTS['all'] + ['--calibration=end'],
+    'internal_ema': VARIANTS['internal'] + ['--calibration=ema'],                          # the paper's calibration
+    'internal_rel': VARIANTS['internal'] + ['--calibration=end', '--aux_form=relative'],  # beyond the paper
+    'dyt': ['--norm=dyt', '--taper=none', '--aux_weight=0.0'],
+}
+BUDGETS = {'3M': 1500, '9M': 4500, '18M': 9000}  # optimizer steps of 2,048 tokens: 3.07M, 9.22M, 18.4M tokens
+
+
+def ladder_cells(variants, size, budget, lrs, seeds=(1,)):
+    """{cell name: train.py arguments} of part 3: each variant × peak learning rate × seed for the
+    model SIZES[size] trained for BUDGETS[budget] steps on mix7 read once; named
+    VARIANT-SIZE-tBUDGET-lrLR-sSEED."""
+    n = BUDGETS[budget]
+    schedule = [f'--max_iters={n}', f'--lr_decay_iters={n}', f'--warmup_iters={n // 10}',
+                f'--gate_warmup_iters={n // 10}', f'--taper_iters={n // 2}', f'--eval_interval={n // 6}']
+    return {f'{v}-{size}-t{budget}-lr{lr:g}-s{s}': BASE7 + VARIANTS7[v] + list(SIZES[size]) + schedule +
+            [f'--seed={s}', f'--learning_rate={lr:g}', f'--min_lr={lr / 10:g}']
+            for v, lr, s in itertools.product(variants, lrs, seeds)}
+
+
+# block 1's learning-rate grid at each (size, budget), the same for both variants
+LADDER_LRS = {('1M', '3M'): (4e-3, 8e-3, 1.6e-2), ('1M', '9M'): (4e-3, 8e-3, 1.6e-2),
+              ('0.4M', '3M'): (8e-3, 1.6e-2, 3.2e-2), ('0.4M', '18M'): (8e-3, 1.6e-2, 3.2e-2)}
+LADDER_POINTS = (('0.4M', '3M'), ('1M', '3M'), ('1M', '9M'), ('0.4M', '18M'))  # the order cells start in
 
 LRS = (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)  # 1.6e-2: the baseline was still improving at 8e-3
 SHORT = ['--gate_warmup_iters=20', '--taper_iters=50']  # W = 20, T = 50 in the same 1500-step run
@@ -116,10 +149,16 @@ MATRICES = {
                for v in VARIANTS},
     # step times per phase on a machine left to one run at a time (run with --jobs=1 --threads=2):
     # the main matrix's two-at-a-time runs share the memory bandwidth, so their times are noisier
-    'timing': {f'{v}-timing-s1': BASE + VARIANTS[v] + ['--max_iters=300', '--warmup_iters=30', '--lr_decay_iters=300',
+    'timing': {f'{v}-timing-s1': BASE + VARIANTS[v] + ['--calibration=end', '--max_iters=300', '--warmup_iters=30', '--lr_decay_iters=300',
                                                    '--gate_warmup_iters=30', '--taper_iters=150',
                                                    '--eval_interval=100', '--log_interval=1']
                for v in ('baseline', 'internal', 'all')},
+    # part 3, block 1: baseline and Internal-Taper at three learning rates at each point of the
+    # budget ladder, seed 1; the two 1M cells at 9M tokens first, so that the long cells start
+    # while the short points run beside them
+    'ladder': {**ladder_cells(('baseline', 'internal'), '1M', '9M', (8e-3,)),
+               **{n: a for size, budget in LADDER_POINTS
+                  for n, a in ladder_cells(('baseline', 'internal'), size, budget, LADDER_LRS[size, budget]).items()}},
     # a two-cell matrix of a few seconds on the toy data of the tests
     'tiny': {f'{v}-end-s1': ['--dataset=toy', '--device=cpu', '--n_layer=1', '--n_head=1', '--n_embd=16',
                              '--block_size=16', '--batch_size=2', '--gradient_accumulation_steps=1',
@@ -231,11 +270,13 @@ def run_cell(name, args, out_dir, results, threads):
                       flush=True)
                 return 'failed'
             it = int(tail.rsplit('at iteration ', 1)[1].split(';')[0])
-            results.put(name, dict(status='diverged', diverged_at=it, args=args, **provenance(wall, threads)))
+            results.put(name, dict(status='diverged', diverged_at=it, args=args, data=data_of(args),
+                                   **provenance(wall, threads)))
             print(f"{name}: diverged at iteration {it}", flush=True)
             return 'diverged'
         records, status = read_log(out_dir), 'finished'
-        results.put(name, dict(status=status, args=args, **provenance(wall, threads), **summarize(records)))
+        results.put(name, dict(status=status, args=args, data=data_of(args), **provenance(wall, threads),
+                               **summarize(records)))
         print(f"{name}: final_val_loss {results.data['cells'][name]['final_val_loss']:.4f} "
               f"({wall / 60:.1f} min)", flush=True)
         return status
@@ -247,6 +288,25 @@ def run_cell(name, args, out_dir, results, threads):
     if new != old:
         results.put(name, new)
     return status
+
+
+def data_of(args):
+    """The dataset a cell trains on: {dataset, tokens {train, val}, meta_sha256 (of its meta.json)},
+    so that no table mixes cells of two datasets, or of two preparations of one."""
+    cfg = cell_config(args)
+    with open(os.path.join(ROOT, cfg['data_dir'], cfg['dataset'], 'meta.json'), 'rb') as f:
+        raw = f.read()
+    return dict(dataset=cfg['dataset'], tokens=json.loads(raw)['tokens'], meta_sha256=hashlib.sha256(raw).hexdigest())
+
+
+def check_one_dataset(cells, args):
+    """SystemExit unless every cell trained on the same dataset (by name; by meta.json's hash where
+    the record has one: records from before part 3 name only their arguments)."""
+    names = {cell_config(args[n])['dataset'] for n in cells}
+    hashes = {c['data']['meta_sha256'] for c in cells.values() if c.get('data')}
+    if len(names) > 1 or len(hashes) > 1:
+        raise SystemExit(f"the cells of one table trained on different data ({', '.join(sorted(names))}; "
+                         f"{len(hashes)} preparations by meta.json's hash): tabulate them separately")
 
 
 def provenance(wall_s, threads):
@@ -267,7 +327,8 @@ def fmt(m_sd, digits=4, pct=False):
 
 
 # which tables a matrix reports: step times only from runs that had the machine to themselves
-TABLES = {'timing': ('steps',), 'lr': ('lr',), '3M_lr': ('lr',), 'chasing': ('chasing',), 'gpt2proxy': ('losses',)}
+TABLES = {'timing': ('steps',), 'lr': ('lr',), '3M_lr': ('lr',), 'chasing': ('chasing',), 'gpt2proxy': ('losses',),
+          'ladder': ('ladder',)}
 
 
 def tables(cells, parts=('losses', 'scales'), args=None, everything=None):
@@ -285,7 +346,8 @@ def tables(cells, parts=('losses', 'scales'), args=None, everything=None):
     base_name = next((g for g in groups if g.startswith(('baseline', 'vanilla'))), None)
     make = {'losses': lambda: loss_table(groups, base_name), 'scales': lambda: scale_table(groups, base_name),
             'steps': lambda: step_table(groups, base_name), 'lr': lambda: lr_table(cells, args),
-            'chasing': lambda: chasing_table(cells, args, everything or cells)}
+            'chasing': lambda: chasing_table(cells, args, everything or cells),
+            'ladder': lambda: ladder_table(cells, args)}
     return '\n\n'.join(make[p]() for p in parts)
 
 
@@ -316,6 +378,49 @@ def lr_table(cells, args):
                 if base and v != base else '—')
         so_far = ' (so far)' if any(n.split('-')[0] == v and n not in cells for n in args) else ''  # cells still to run
         lines.append(f"| {v} | " + " | ".join(cell(lr) for lr in lrs) + f" | {best[v]:g}{so_far} | {diff} |")
+    return '\n'.join(lines)
+
+
+def ladder_best(cells, args):
+    """Part 3's cells (named VARIANT-SIZE-tBUDGET-lrLR-sSEED) at each variant's best learning rate:
+    {(size, budget): {variant: (best lr, {seed: cell}, note)}}. The best lr has the lowest mean
+    final val loss over the seeds run at it (a diverged cell counts as infinite); note is 'edge'
+    when it is the smallest or largest rate tried, '(so far)' while a cell of the grid is to run."""
+    runs = {}
+    for name, c in cells.items():
+        v, size, budget, lr, seed = name.split('-')
+        runs.setdefault((size, budget[1:]), {}).setdefault(v, {}).setdefault(float(lr[2:]), {})[int(seed[1:])] = c
+    val = lambda c: c['final_val_loss'] if c['status'] == 'finished' else math.inf
+    out = {}
+    for point, by_v in runs.items():
+        out[point] = {}
+        for v, by_lr in by_v.items():
+            best = min(by_lr, key=lambda lr: statistics.mean(val(c) for c in by_lr[lr].values()))
+            todo = any(n.startswith(f'{v}-{point[0]}-t{point[1]}-') and n not in cells for n in args)
+            edge = len(by_lr) > 1 and best in (min(by_lr), max(by_lr))
+            out[point][v] = (best, by_lr[best], '(so far)' if todo else 'edge' if edge else '')
+    return out
+
+
+def ladder_table(cells, args):
+    """One row per (size, budget, variant) of part 3: the learning rates tried, the best one, the
+    final val loss there (mean ± sd over seeds) and the paired gap to the baseline at its own best
+    rate (per seed run by both)."""
+    lines = ["| size | tokens | variant | lrs tried: final val loss | best lr | final val loss (seeds) | "
+             "vs baseline at its best (paired) |", "|---|---|---|---|---|---|---|"]
+    for (size, budget), by_v in sorted(ladder_best(cells, args).items(), key=lambda kv: (kv[0][0], float(kv[0][1][:-1]))):
+        base = by_v.get('baseline')
+        for v, (lr, by_seed, note) in by_v.items():
+            done = {s: c for s, c in by_seed.items() if c['status'] == 'finished'}
+            tried = sorted((float(n.split('-')[3][2:]), c) for n, c in cells.items()
+                           if n.startswith(f'{v}-{size}-t{budget}-') and n.endswith('-s1'))
+            grid = ', '.join(f"{x:g}: " + (f"{c['final_val_loss']:.4f}" if c['status'] == 'finished'
+                                           else f"diverged at {c['diverged_at']}") for x, c in tried)
+            paired = [100 * (c['final_val_loss'] / base[1][s]['final_val_loss'] - 1) for s, c in done.items()
+                      if base and v != 'baseline' and base[1].get(s, {}).get('status') == 'finished']
+            loss = fmt(mean_sd([c['final_val_loss'] for c in done.values()])) if done else '—'
+            lines.append(f"| {size} | {budget} | {v} | {grid} | {lr:g} {note} | {loss} ({','.join(map(str, sorted(done)))}) | "
+                         f"{fmt(mean_sd(paired), pct=True) if paired else '—'} |")
     return '\n'.join(lines)
 
 
@@ -443,8 +548,9 @@ def main(argv):
             raise SystemExit(f"{statuses.count('failed')} cell(s) failed; fix and rerun the same command")
     if cfg.table or cfg.readme:
         results.data = results.read()  # with what another driver has written meanwhile
-        text = tables({n: results.data['cells'][n] for n in cells if n in results.data['cells']},
-                      TABLES.get(cfg.matrix, ('losses', 'scales')), cells, results.data['cells'])
+        done = {n: results.data['cells'][n] for n in cells if n in results.data['cells']}
+        check_one_dataset(done, cells)
+        text = tables(done, TABLES.get(cfg.matrix, ('losses', 'scales')), cells, results.data['cells'])
         print(text)
         if cfg.readme:
             write_between_markers(cfg.readme, cfg.matrix, text)
