@@ -133,6 +133,9 @@ def checkpoint_variants(cfg):
     line about it). A raw linear-phase checkpoint is timed unfused (each tapered norm one multiply)."""
     model, _ = GPT.from_checkpoint(cfg.ckpt, 'cpu')
     c, name, raw = model.config, f'ckpt:{os.path.basename(cfg.ckpt)}', {}
+    if c.norm == 'dyt':
+        raise SystemExit(f"{cfg.ckpt} is a DyT model (norm='dyt'): bench.py times TaperNorm's folded and "
+                         "unfused forms against a fused norm, and tanh(α·h) does not fold into a linear layer")
     about = f"{cfg.ckpt}: taper={c.taper} norm={c.norm} folded={c.folded} phase={model.phase} g={model.gate.item():.4g}"
     if cfg.prompt_len + cfg.new_tokens > c.block_size:
         raise SystemExit(f"the checkpoint's context is {c.block_size} tokens: lower --prompt_len and --new_tokens "

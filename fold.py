@@ -105,6 +105,9 @@ def fold_state_dict(state_dict, model_args):
     """
     if model_args.get('folded'):
         raise FoldError("this checkpoint is already folded: pass the checkpoint train.py wrote")
+    if model_args.get('norm') == 'dyt':
+        raise FoldError("nothing folds in a DyT model: tanh(α·h) is not a linear map, so no weight "
+                        "matrix can absorb it; only TaperNorm (taper='internal' | 'all') and FakeLN fold")
     if is_fakeln(model_args):
         check_fakeln(state_dict, model_args)
     elif model_args['taper'] == 'none':

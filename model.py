@@ -52,7 +52,8 @@ AUX_FORMS = ('absolute', 'relative')  # L_aux: the paper's λ·(s − s_tgt)², 
 # what FakeLN's removal events remove, in order (docs/method.md §7): event k is due at k · fakeln_interval
 FAKELN_EVENTS = ('ln_2', 'ln_1', 'ln_f', 'first_position')
 # the model ladder of docs/method.md §6 (vocabulary 10k, context 512, tied head), shared by config/ and bench.py
-LADDER = {'1M': dict(n_layer=8, n_embd=64, n_head=2), '3M': dict(n_layer=8, n_embd=128, n_head=4),
+LADDER = {'0.4M': dict(n_layer=8, n_embd=32, n_head=1),
+          '1M': dict(n_layer=8, n_embd=64, n_head=2), '3M': dict(n_layer=8, n_embd=128, n_head=4),
           '9M': dict(n_layer=8, n_embd=256, n_head=4), '30M': dict(n_layer=8, n_embd=512, n_head=8)}
 CALIB_DECAY = 0.99  # ρ: EMA decay per optimizer step of the calibration statistics (docs/method.md §3)
 

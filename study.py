@@ -164,7 +164,7 @@ MATRICES = {
                              '--block_size=16', '--batch_size=2', '--gradient_accumulation_steps=1',
                              '--max_iters=12', '--gate_warmup_iters=3', '--taper_iters=4', '--warmup_iters=2',
                              '--lr_decay_iters=12', '--eval_interval=6', '--eval_iters=1', '--log_interval=1',
-                             '--calib_batches=2'] + VARIANTS[v]
+                             '--calib_batches=2', '--calibration=end'] + VARIANTS[v]
              for v in ('baseline', 'all')},
 }
 
@@ -294,9 +294,11 @@ def data_of(args):
     """The dataset a cell trains on: {dataset, tokens {train, val}, meta_sha256 (of its meta.json)},
     so that no table mixes cells of two datasets, or of two preparations of one."""
     cfg = cell_config(args)
-    with open(os.path.join(ROOT, cfg['data_dir'], cfg['dataset'], 'meta.json'), 'rb') as f:
+    folder = os.path.join(ROOT, cfg['data_dir'], cfg['dataset'])
+    with open(os.path.join(folder, 'meta.json'), 'rb') as f:
         raw = f.read()
-    return dict(dataset=cfg['dataset'], tokens=json.loads(raw)['tokens'], meta_sha256=hashlib.sha256(raw).hexdigest())
+    tokens = {s: os.path.getsize(os.path.join(folder, f'{s}.bin')) // 2 for s in ('train', 'val')}
+    return dict(dataset=cfg['dataset'], tokens=tokens, meta_sha256=hashlib.sha256(raw).hexdigest())
 
 
 def check_one_dataset(cells, args):

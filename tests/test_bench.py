@@ -126,6 +126,15 @@ def test_a_checkpoint_is_timed_next_to_a_baseline_of_its_shape(tmp_path, capsys)
     assert base['weight_mb'] < results['baseline']['weight_mb']
 
 
+def test_a_dyt_checkpoint_is_refused_with_the_reason(tmp_path):
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(block_size=32, vocab_size=100, n_layer=1, n_head=1, n_embd=16, norm='dyt'))
+    path = tmp_path / 'dyt.pt'
+    save_checkpoint({'model': model.state_dict(), 'model_args': vars(model.config)}, str(path))
+    with pytest.raises(SystemExit, match=r"DyT model \(norm='dyt'\).*tanh\(α·h\) does not fold"):
+        bench.main(TINY + [f'--ckpt={path}'])
+
+
 @pytest.mark.parametrize('args, message', [
     (['--size=7M'], "choose one of"),
     (['--prompt_len=500', '--new_tokens=100'], 'exceeds block_size 512'),

@@ -205,6 +205,25 @@ def test_text_several_files_each_split_at_its_own_end(tmp_path, enc):
         assert docs[-1] == "" and docs[:-1] == [text_prepare.split_at_line(t)[i] for t in texts]
 
 
+def test_text_form_feed_lines_make_documents_and_val_is_cut_between_them(tmp_path):
+    # a manual's layout (../shared/corpora's docs_*.txt): each page, then a line holding only \f
+    pages = [make_corpus(20 + 7 * i, seed=i) for i in range(12)]
+    f = tmp_path / "manual.txt"
+    f.write_text("".join(p + "\f\n" for p in pages))
+    meta = text_prepare.main([f"--input={f}", "--vocab_size=0", f"--out_dir={tmp_path}"])
+    train, val = (common.decode(read_bin(tmp_path / f"{s}.bin"), meta).split(EOT_TEXT) for s in ("train", "val"))
+    assert train[-1] == val[-1] == ""  # every document, the last one too, ends with end-of-text
+    assert train[:-1] + val[:-1] == pages  # whole pages, in order, none in both splits, no \f left
+    # the cut is the page boundary nearest to 95 % of the characters (worked out here by hand)
+    total, ends = sum(map(len, pages)), np.cumsum([len(p) for p in pages])
+    k = 1 + int(np.argmin(np.abs(ends[:-1] - 0.95 * total)))
+    assert len(train) - 1 == k
+    # a form feed inside a line is text; without a line holding only \f a file is one document
+    g = tmp_path / "one.txt"
+    g.write_text("".join(p + "a\f\n" for p in pages))
+    assert [len(part) for part in text_prepare.read_split(g)] == [1, 1]
+
+
 def test_text_default_out_dir_is_data_name(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "DATA_DIR", str(tmp_path))
     f = tmp_path / "c.txt"

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -266,6 +267,76 @@ def test_aux_loss_is_zero_on_target_and_its_gradient_is_radial(kind):
     assert_close(cos, torch.ones_like(cos))
 
 
+def test_relative_aux_loss_is_the_anchor_in_units_of_s_tgt():
+    # beyond the paper: λ · mean_tokens (s/s_tgt − 1)², worked by hand on s = (1, 3, 6), s_tgt = 2:
+    # ((−½)² + (½)² + 2²) / 3 = 4.5 / 3 = 1.5, times λ = 0.1
+    s, target = torch.tensor([1.0, 3.0, 6.0]).view(1, 3, 1), torch.tensor(2.0)
+    assert aux_loss(s, target, 0.1, 'relative').item() == pytest.approx(0.15)
+    assert aux_loss(s, target, 0.1).item() == pytest.approx(0.1 * (1 + 1 + 16) / 3)  # the paper's, absolute
+    # the same relative spread at ten times the scale: the same relative loss, 100 × the absolute one
+    assert aux_loss(10 * s, 10 * target, 0.1, 'relative').item() == pytest.approx(0.15)
+    assert aux_loss(10 * s, 10 * target, 0.1).item() == pytest.approx(100 * 0.1 * 18 / 3)
+
+
+def test_the_model_applies_the_aux_form_it_is_given():
+    losses = {}
+    for form in ('absolute', 'relative'):
+        model = tiny('rmsnorm', taper='internal', aux_weight=0.5, aux_form=form)
+        with torch.no_grad():
+            model.s_tgt.fill_(3.0)
+            model.calibrated.fill_(True)  # c = 1, γ̃ = 1: the linear branch is h itself
+        model.set_phase('linear')
+        x = torch.randint(0, 64, (2, 16))
+        model(x, x)
+        losses[form] = model.last_metrics.aux.item()
+    with torch.no_grad():
+        h = model.transformer.drop(model.transformer.wte(x) + model.transformer.wpe(torch.arange(16)))
+        for block in model.transformer.h:
+            h = block(h, model.gate)
+        r = h.pow(2).mean(-1).add(1e-5).sqrt()  # s(h) per token, computed here
+    assert losses['relative'] == pytest.approx(0.5 * (r / 3.0 - 1).pow(2).mean().item(), rel=1e-5)
+    assert losses['absolute'] == pytest.approx(0.5 * (r - 3.0).pow(2).mean().item(), rel=1e-5)
+    with pytest.raises(ValueError, match=r"aux_form='squared': choose one of \('absolute', 'relative'\)"):
+        GPTConfig(aux_form='squared')
+
+
+def test_dyt_is_gamma_tanh_alpha_h_plus_beta():
+    from baselines import DyT
+    torch.manual_seed(0)
+    m = DyT(8, alpha0=0.7)
+    assert m.alpha.item() == pytest.approx(0.7) and m.alpha.dim() == 0  # one scalar α per module
+    m.double()
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(8))
+        m.bias.copy_(torch.randn(8))
+        m.alpha.fill_(1.3)
+    h = 3 * torch.randn(2, 5, 8, dtype=torch.float64)
+    gamma, beta = m.weight.detach().double().numpy(), m.bias.detach().double().numpy()
+    want = gamma * np.tanh(1.3 * h.numpy()) + beta  # numpy reference, elementwise
+    assert np.allclose(m(h).detach().numpy(), want, rtol=0, atol=1e-12)
+
+
+def test_a_dyt_model_has_a_dyt_at_every_norm_with_the_papers_alpha0():
+    from baselines import DyT
+    model = tiny('dyt', taper='none')
+    norms = {n: m for n, m in model.named_modules() if n.endswith(('ln_1', 'ln_2', 'ln_f'))}
+    assert len(norms) == 2 * 2 + 1 and all(isinstance(m, DyT) for m in norms.values())
+    assert {n.rsplit('.', 1)[-1]: m.alpha.item() for n, m in norms.items()} == \
+        {'ln_1': pytest.approx(0.8), 'ln_2': pytest.approx(0.2), 'ln_f': pytest.approx(0.2)}
+    assert not any(isinstance(m, (Norm, TaperNorm)) for m in model.modules())
+    x = torch.randint(0, 64, (2, 16))
+    _, loss = model(x, x)
+    loss.backward()
+    assert all(m.alpha.grad is not None and m.alpha.grad.abs() > 0 for m in norms.values())  # α learns
+    # α, γ and β are gains and biases: no weight decay
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    no_decay = {id(p) for g in opt.param_groups if g['weight_decay'] == 0 for p in g['params']}
+    assert all(id(p) in no_decay for m in norms.values() for p in m.parameters())
+    for bad in (dict(taper='internal'), dict(norm_removal='fakeln')):
+        with pytest.raises(ValueError, match="norm='dyt' is a baseline of its own"):
+            GPTConfig(norm='dyt', **bad)
+
+
 @pytest.mark.parametrize('kind', KINDS)
 @pytest.mark.parametrize('taper', ['internal', 'all'])
 def test_calibrated_taper_start_moves_logits_at_most_proportionally(kind, taper):
@@ -328,8 +399,8 @@ def test_gains_and_biases_get_no_weight_decay():
 
 
 def test_the_ladder_parameter_counts():
-    """SPEC §6: 8 layers, 10k vocabulary, context 512, tied, GPT-2 biases; config/ uses its rows."""
-    millions = {'1M': 1.07, '3M': 2.93, '9M': 9.01, '30M': 30.6}
+    """docs/method.md §6: 8 layers, 10k vocabulary, context 512, tied, GPT-2 biases; config/ uses its rows."""
+    millions = {'0.4M': 0.44, '1M': 1.07, '3M': 2.93, '9M': 9.01, '30M': 30.6}
     for size, row in LADDER.items():
         m = GPT(GPTConfig(block_size=512, vocab_size=10000, **row))
         assert round(m.num_params() / 1e6, 2 if millions[size] < 10 else 1) == millions[size]
@@ -337,6 +408,10 @@ def test_the_ladder_parameter_counts():
                                (['config/tinystories_all_taper.py', 'config/cpu.py'], '1M')]:
         cfg = vars(train.load_config(config_files))
         assert {k: cfg[k] for k in LADDER[size]} == LADDER[size]
+    import study  # the study's model sizes are the ladder's rows
+    for size, overrides in study.SIZES.items():
+        cfg = study.cell_config(['config/cpu.py', *overrides])
+        assert {k: cfg[k] for k in LADDER[size or '1M']} == LADDER[size or '1M'], size
 
 
 def test_config_rejects_bad_values():

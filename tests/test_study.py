@@ -1,10 +1,13 @@
 """study.py: a resumable matrix of train.py runs, its results file and tables."""
 
+import hashlib
 import json
 import os
+from pathlib import Path
 
 import pytest
 
+import configurator
 import study
 
 
@@ -13,6 +16,11 @@ def tiny_matrix(toy_data, monkeypatch):
     cells = {n: a + [f'--data_dir={toy_data}'] for n, a in study.MATRICES['tiny'].items()}
     monkeypatch.setitem(study.MATRICES, 'tiny', cells)
     return cells
+
+
+def toy_data_dir(cells):
+    data_dir = next(a for a in next(iter(cells.values())) if a.startswith('--data_dir='))
+    return Path(data_dir.split('=', 1)[1]) / 'toy'
 
 
 def test_two_cells_run_skip_resume_and_record_divergence(tiny_matrix, tmp_path, capsys):
@@ -26,6 +34,11 @@ def test_two_cells_run_skip_resume_and_record_divergence(tiny_matrix, tmp_path, 
         assert c['final_val_loss'] == log[-1]['final_val_loss']
         assert c['final_train_loss'] == log[-1]['final_train_loss']
     assert set(cells['all-end-s1']['calibrate']['mismatch']) == {'h.0.ln_1', 'h.0.ln_2', 'ln_f'}
+    # each record names its data: the toy fixture's 10,000 / 2,800 tokens and its meta.json's hash
+    meta = (toy_data_dir(tiny_matrix) / 'meta.json').read_bytes()
+    for c in cells.values():
+        assert c['data'] == dict(dataset='toy', tokens={'train': 10_000, 'val': 2_800},
+                                 meta_sha256=hashlib.sha256(meta).hexdigest())
     steps = study.tables(cells, ('steps',)).splitlines()  # W = 3, T = 4: phases from iterations 0, 3, 7
     assert steps[0].startswith('| variant | warmup step (vs baseline) | taper step') and len(steps) == 4
     assert next(row for row in steps if row.startswith('| baseline-end | ')).count('(1.000×)') == 3
@@ -182,3 +195,60 @@ def test_a_cells_name_tells_its_seed_learning_rate_and_size():
             assert cfg['learning_rate'] == (float(lr) if lr else 2e-3), name  # 2e-3: config/cpu.py's
             assert cfg['min_lr'] == pytest.approx(cfg['learning_rate'] / 10), name  # cpu.py: 2e-3 → 2e-4
             assert cfg['n_embd'] == (128 if '-3M' in rest else 64), name
+
+
+def test_a_table_refuses_cells_of_two_datasets_or_two_preparations():
+    args = {'a-s1': ['--dataset=mix7'], 'b-s1': ['--dataset=mix7'], 'c-s1': ['--dataset=mix']}
+    same = {'a-s1': {'data': {'meta_sha256': 'x'}}, 'b-s1': {'data': {'meta_sha256': 'x'}}}
+    study.check_one_dataset(same, args)
+    with pytest.raises(SystemExit, match='different data'):
+        study.check_one_dataset({**same, 'b-s1': {'data': {'meta_sha256': 'y'}}}, args)  # prepared twice
+    with pytest.raises(SystemExit, match=r'different data \(mix, mix7'):
+        study.check_one_dataset({**same, 'c-s1': {}}, args)  # an older record: its name is enough
+
+
+def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_once():
+    tokens_per_step = 16 * 128  # config/cpu.py: batch 16 × context 128, one process
+    cells = study.MATRICES['ladder']
+    assert len(cells) == 2 * 4 * 3  # block 1: two variants × four points × three rates
+    for name, args in cells.items():
+        cfg = study.cell_config(args)
+        v, size, budget, lr, seed = name.split('-')
+        assert (cfg['dataset'], cfg['sampler'], cfg['seed']) == ('mix7', 'epoch', int(seed[1:])), name
+        assert (cfg['n_embd'], cfg['n_head'], cfg['n_layer'], cfg['block_size']) == \
+            {'0.4M': (32, 1, 8, 128), '1M': (64, 2, 8, 128)}[size], name
+        n = cfg['max_iters']
+        assert abs(n * tokens_per_step / {'t3M': 3e6, 't9M': 9e6, 't18M': 18e6}[budget] - 1) < 0.03, name
+        # config/cpu.py's proportions: W and the LR warmup 10 %, T 50 %, decay to the end, min_lr = lr / 10
+        assert (cfg['gate_warmup_iters'], cfg['warmup_iters'], cfg['taper_iters'], cfg['lr_decay_iters']) == \
+            (n // 10, n // 10, n // 2, n), name
+        assert cfg['learning_rate'] == float(lr[2:]) and cfg['min_lr'] == pytest.approx(cfg['learning_rate'] / 10)
+        assert (cfg['taper'], cfg['aux_weight']) == {'baseline': ('none', 0.0), 'internal': ('internal', 0.1)}[v]
+        assert v == 'baseline' or '--calibration=end' in args, name  # every tapered cell names its calibration
+    # the longest run still fits in one pass of mix7's 18,508,995 training tokens (the refusal is train.py's)
+    assert max(study.cell_config(a)['max_iters'] for a in cells.values()) * 16 <= (18_508_995 - 1) // 128
+
+
+def test_ladder_table_pairs_each_variant_at_its_best_rate_with_the_baselines():
+    cell = lambda loss: {'status': 'finished', 'final_val_loss': loss}
+    cells = {'baseline-1M-t3M-lr0.004-s1': cell(5.0), 'baseline-1M-t3M-lr0.008-s1': cell(4.8),
+             'baseline-1M-t3M-lr0.016-s1': cell(4.9), 'internal-1M-t3M-lr0.004-s1': cell(4.7),
+             'internal-1M-t3M-lr0.008-s1': cell(4.75),
+             'internal-1M-t3M-lr0.016-s1': {'status': 'diverged', 'diverged_at': 300}}
+    rows = study.ladder_table(cells, {n: [] for n in cells}).splitlines()[2:]
+    assert rows[0] == ('| 1M | 3M | baseline | 0.004: 5.0000, 0.008: 4.8000, 0.016: 4.9000 | 0.008  | '
+                       '4.8000 (1) | — |')
+    # best at the grid's edge is marked; 4.7 / 4.8 − 1 = −2.08 %
+    assert rows[1] == ('| 1M | 3M | internal | 0.004: 4.7000, 0.008: 4.7500, 0.016: diverged at 300 | 0.004 edge | '
+                       '4.7000 (1) | -2.08 % |')
+
+
+def test_every_tapered_cell_of_every_matrix_names_its_calibration():
+    # calibration='end' is the default today; pinned, a committed cell keeps its meaning if it changes
+    import train
+    defaults = configurator.defaults_of(vars(train))
+    for matrix, cells in study.MATRICES.items():
+        for name, args in cells.items():
+            argv = [a if a.startswith('--') else os.path.join(study.ROOT, a) for a in args]
+            if study.cell_config(args)['taper'] != 'none':
+                assert configurator.keys_set(argv, defaults, ('calibration',)) == {'calibration'}, (matrix, name)

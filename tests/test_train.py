@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -151,13 +152,14 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ['ckpt.pt']
 
 
-def test_resume_continues_exactly_across_the_calibrate_event(toy_data, tmp_path, monkeypatch):
+@pytest.mark.parametrize('sampler', ['random', 'epoch'])
+def test_resume_continues_exactly_across_the_calibrate_event(toy_data, tmp_path, monkeypatch, sampler):
     """16 steps straight == interrupted at step 10 (last checkpoint: 8) + resume to 16."""
     straight = tmp_path / 'straight'
-    train.main(toy_args(toy_data, straight))
+    train.main(toy_args(toy_data, straight, sampler=sampler))
 
     interrupted = tmp_path / 'interrupted'
-    interrupt_at(10, toy_args(toy_data, interrupted), monkeypatch)
+    interrupt_at(10, toy_args(toy_data, interrupted, sampler=sampler), monkeypatch)
     assert torch.load(interrupted / 'ckpt.pt', weights_only=False)['iter_num'] == 8
     train.main(toy_args(toy_data, interrupted, init_from='resume'))
 
@@ -173,9 +175,61 @@ def test_resume_continues_exactly_across_the_calibrate_event(toy_data, tmp_path,
     assert len([r for r in b if r.get('event') == 'calibrate']) == 1  # never repeated on resume
     assert a[-1]['final_val_loss'] == b[-1]['final_val_loss']
     # resuming a finished run trains nothing and reports the same state: linear, g = 0
-    model = train.main(toy_args(toy_data, straight, init_from='resume'))
+    model = train.main(toy_args(toy_data, straight, init_from='resume', sampler=sampler))
     assert (model.phase, model.gate.item()) == ('linear', 0.0)
     assert read_log(straight)[-1]['final_val_loss'] == a[-1]['final_val_loss']
+
+
+@pytest.fixture
+def positions(tmp_path):
+    """A dataset folder whose token i is i: a window's first token is its start."""
+    (tmp_path / 'train.bin').write_bytes(np.arange(10_000, dtype=np.uint16).tobytes())
+    return str(tmp_path)
+
+
+def starts_of(folder, cfg, world, steps):
+    """{(it, rank, micro): window starts} of train.train_batch, checking y = x shifted by one."""
+    out = {}
+    for it in range(steps):
+        for rank in range(world):
+            env = SimpleNamespace(world=world, rank=rank, dev='cpu')
+            for micro in range(cfg.gradient_accumulation_steps):
+                x, y = train.train_batch(folder, cfg, env, it, micro)
+                assert x.shape == (cfg.batch_size, cfg.block_size) and torch.equal(y, x + 1)
+                out[it, rank, micro] = x[:, 0].tolist()
+    return out
+
+
+def test_epoch_sampler_reads_every_window_at_most_once_over_steps_ranks_and_micro_steps(positions):
+    cfg = SimpleNamespace(sampler='epoch', seed=3, batch_size=4, block_size=16, gradient_accumulation_steps=2)
+    windows = (10_000 - 1) // 16  # 624 non-overlapping windows, each with its shifted target
+    steps = windows // (4 * 2 * 2)  # 39 steps of 2 ranks × 2 micro-steps × 4 sequences
+    got = starts_of(positions, cfg, 2, steps)
+    flat = [s for b in got.values() for s in b]
+    assert len(flat) == len(set(flat)) == steps * 16 and all(s % 16 == 0 and s + 16 < 10_000 for s in flat)
+    assert len(set(flat)) > 0.98 * windows  # one pass, nearly all of it
+    assert starts_of(positions, cfg, 2, steps) == got  # a function of (it, rank, micro): resume sees the same
+    assert sorted(got[0, 0, 0]) != list(range(0, 64, 16))  # shuffled, not read in order
+    cfg.seed = 4
+    assert starts_of(positions, cfg, 2, 1)[0, 0, 0] != got[0, 0, 0]  # the seed orders the pass
+
+
+def test_random_sampler_is_unchanged(positions):
+    # the committed cells ran with it: windows at seeded random starts, drawn with replacement
+    cfg = SimpleNamespace(sampler='random', seed=5, batch_size=3, block_size=16, gradient_accumulation_steps=2)
+    got = starts_of(positions, cfg, 2, 3)
+    for (it, rank, micro), starts in got.items():
+        rng = np.random.default_rng(np.random.SeedSequence([5, 0, it, rank, micro]))
+        assert starts == rng.integers(10_000 - 16, size=3).tolist()
+
+
+def test_epoch_sampler_refuses_a_run_longer_than_one_pass(toy_data, tmp_path):
+    # toy: 10,000 training tokens = 624 windows of 16; 4 × 2 windows a step: 78 steps at most
+    with pytest.raises(SystemExit, match=r"need 632 windows, but one pass .* holds 624: use max_iters <= 78"):
+        train.main(toy_args(toy_data, tmp_path / 'run', sampler='epoch', max_iters=79, lr_decay_iters=79))
+    assert not (tmp_path / 'run' / 'log.jsonl').exists()
+    train.main(toy_args(toy_data, tmp_path / 'run', sampler='epoch', max_iters=78, lr_decay_iters=78,
+                        eval_interval=100))
 
 
 def test_log_records(toy_data, tmp_path):
