@@ -21,10 +21,12 @@ approximately.
 
 The script checks its work: it prints the largest |Δ logit| between the unfolded model at
 g = 0 and the folded one on a batch of validation tokens (random tokens when the dataset is not
-on disk), and writes nothing if that exceeds LOGIT_RTOL of the largest logit (max_logit_error,
-the check bench.py's gate runs too); then the parameter and byte counts before and after.
+on disk), and writes nothing if the folded model is further from an fp64 copy of the unfolded one
+than LOGIT_SLACK times the unfolded fp32 model's own error, plus LOGIT_FLOOR of the largest logit
+(max_logit_error, the check bench.py's gate runs too); then the parameter and byte counts.
 """
 
+import copy
 import os
 import sys
 
@@ -42,7 +44,11 @@ batch_size = 4      # sequences of block_size tokens in the logit check
 seed = 1337         # picks the check's windows (or its random tokens)
 # -----------------------------------------------------------------------------
 
-LOGIT_RTOL = 1e-4  # fold.py's check and bench.py's gate: max |Δ logit| <= LOGIT_RTOL · max |logit| (fp32 rounding: ~1e-6)
+# fold.py's check and bench.py's gate, both against an fp64 copy of the unfolded model: the folded
+# model's error may be at most LOGIT_SLACK times the unfolded fp32 model's own, plus LOGIT_FLOOR of
+# the largest logit (a large residual stream gives fp32 an error of its own far above 1e-6)
+LOGIT_SLACK = 4.0
+LOGIT_FLOOR = 1e-6
 FOLD_INTO = {'ln_1': 'attn.c_attn', 'ln_2': 'mlp.c_fc', 'ln_f': 'lm_head'}  # a norm -> the layer it feeds
 NORM_KEYS = ('weight', 'bias', 'weight_tilde', 'bias_tilde', 'c', 'calib_num', 'calib_den',
              'std', 'std_first', 'window')  # TaperNorm's and FakeNorm's state
@@ -144,15 +150,22 @@ def fold_model(model):
 
 @torch.no_grad()
 def max_logit_error(a, b, tokens, what):
-    """Teacher-forced fp32 logits (B, T, V) of models a and b on tokens (B, T): returns
-    (max |Δ logit|, max |logit of a|). Raises CheckError, naming `what`, when
-    max |Δ| > LOGIT_RTOL · max |logit|. fold.py's check and bench.py's gate."""
-    la, lb = a(tokens, tokens)[0].float(), b(tokens, tokens)[0].float()
-    diff, scale = (la - lb).abs().max().item(), la.abs().max().item()
-    if not diff <= LOGIT_RTOL * scale:
-        raise CheckError(f"{what}: teacher-forced logits differ by {diff:.3e} "
-                         f"(max |logit| {scale:.3e}, tolerance {LOGIT_RTOL:g} of it)")
-    return diff, scale
+    """Teacher-forced logits (B, T, V) on tokens (B, T) of a (the reference form, e.g. unfolded)
+    and b (the form under test), both judged against an fp64 copy of a. Returns
+    (max |logit_a − logit_b|, max |logit| in fp64). Raises CheckError, naming `what`, when
+    err(b, fp64) > LOGIT_SLACK · err(a, fp64) + LOGIT_FLOOR · max |logit|: b may be no worse than
+    a's own fp32 rounding, whatever the scale of the residual stream. fold.py's check and
+    bench.py's gate."""
+    ref = copy.deepcopy(a).double()
+    l64 = ref(tokens, tokens)[0]
+    la, lb = a(tokens, tokens)[0].double(), b(tokens, tokens)[0].double()
+    err_a, err_b = (la - l64).abs().max().item(), (lb - l64).abs().max().item()
+    scale = l64.abs().max().item()
+    if not err_b <= LOGIT_SLACK * err_a + LOGIT_FLOOR * scale:
+        raise CheckError(f"{what}: teacher-forced logits are {err_b:.3e} from an fp64 copy of the first, "
+                         f"whose own fp32 error is {err_a:.3e} (max |logit| {scale:.3e}; allowed: "
+                         f"{LOGIT_SLACK:g} × its error + {LOGIT_FLOOR:g} of max |logit|)")
+    return (la - lb).abs().max().item(), scale
 
 
 def tensor_bytes(tensors):

@@ -389,11 +389,12 @@ def sample_next(logits, temperature=1.0, top_k=None, generator=None):
         return logits.argmax(dim=-1, keepdim=True)
     scaled = logits.float() / temperature
     if top_k is not None:
-        kth = torch.topk(scaled, min(top_k, scaled.size(-1))).values[:, [-1]]
+        kth = torch.topk(scaled, min(top_k, scaled.size(-1))).values[:, -1:]  # a slice: no host sync
         scaled = scaled.masked_fill(scaled < kth, float('-inf'))
     probs = F.softmax(scaled, dim=-1)
     overflow = ~torch.isfinite(scaled.amax(dim=-1, keepdim=True))  # (B, 1): softmax gave NaN there
-    greedy = F.one_hot(logits.argmax(dim=-1), logits.size(-1)).to(probs.dtype)
+    # one-hot of the argmax by scatter: F.one_hot reads its indices' range back to the host
+    greedy = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.multinomial(torch.where(overflow, greedy, probs), num_samples=1, generator=generator)
 
 
@@ -627,8 +628,12 @@ class GPT(nn.Module):
         and ranks. Raises RuntimeError if no collecting forward ran since the last call.
         """
         *totals, n_micro = self._take_sums(self._calibration_sums())
-        if n_micro.item() == 0:
-            raise RuntimeError("calibration_step() without a forward under set_collect('calibration')")
+        message = "calibration_step() without a forward under set_collect('calibration')"
+        if n_micro.device.type == 'cpu':
+            if n_micro.item() == 0:
+                raise RuntimeError(message)
+        else:  # checked on the device: .item() would stop the host every warmup step
+            torch._assert_async(n_micro > 0, message)
         emas = [t for _, m in self.tapernorms() for t in (m.calib_num, m.calib_den)] + [self.hidden_rms_ema]
         for ema, total in zip(emas, totals):
             ema.mul_(CALIB_DECAY).add_(total / n_micro, alpha=1 - CALIB_DECAY)
@@ -776,7 +781,8 @@ class GPT(nn.Module):
             x = block(x, self.gate, input_pos, mask, pos)
 
         if targets is None:  # generation: no loss, no statistics, only the last position
-            return self.lm_head(apply_norm(self.transformer.ln_f, x[:, [-1], :], self.gate, pos[-1:])), None
+            # a slice, not x[:, [-1]]: a list index becomes a device tensor by a blocking copy
+            return self.lm_head(apply_norm(self.transformer.ln_f, x[:, -1:, :], self.gate, pos[-1:])), None
 
         tapering = self.config.taper != 'none'
         aux_on = tapering and self.config.aux_weight > 0 and self.phase in ('taper', 'linear')

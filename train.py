@@ -36,6 +36,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -331,6 +332,22 @@ def check_one_pass(folder, cfg, env):
                          "or sampler='random' (windows drawn with replacement)")
 
 
+class Batches:
+    """train_batch(folder, cfg, env, it, micro), with one micro-batch built ahead (`prefetch`) while
+    the device still works on the step before. A batch is a function of (it, micro) alone, so
+    building it early changes nothing."""
+
+    def __init__(self, folder, cfg, env):
+        self.args, self.ahead = (folder, cfg, env), {}
+
+    def prefetch(self, it, micro):
+        self.ahead = {(it, micro): train_batch(*self.args, it, micro)}
+
+    def get(self, it, micro):
+        batch = self.ahead.pop((it, micro), None)
+        return batch if batch is not None else train_batch(*self.args, it, micro)
+
+
 def train_batch(folder, cfg, env, it, micro):
     """Micro-batch `micro` of iteration it on this rank: x, y (batch_size, block_size). 'random':
     random windows from the (seed, 0, it, rank, micro) stream; 'epoch': entries
@@ -384,14 +401,14 @@ def mean_ce(model, data, starts, batch_size, block_size, env):
     """Mean cross-entropy of the windows at `starts` (see windows), this rank's share."""
     was_training = model.training
     model.eval()
-    total = torch.zeros(2, device=env.dev, dtype=torch.float64)  # sum of CE over tokens, tokens
     mine = list(starts[env.rank::env.world])
+    total = torch.zeros(2, device=env.dev, dtype=torch.float64)  # sum of CE over tokens, tokens
+    total[1] = len(mine) * block_size  # counted on the host: no device tensor per batch
     for k in range(0, len(mine), batch_size):
         x, y = windows(data, mine[k:k + batch_size], block_size, env.dev)
         with env.autocast:
             model(x, y)
-        total += torch.stack([model.last_metrics.ce.double() * y.numel(),
-                              torch.tensor(y.numel(), device=env.dev, dtype=torch.float64)])
+        total[0] += model.last_metrics.ce.double() * y.numel()
     if env.ddp:
         torch.distributed.all_reduce(total)
     model.train(was_training)
@@ -422,29 +439,50 @@ def setup(cfg):
                            compile=device_type == 'cuda' if cfg.compile == 'auto' else cfg.compile)
 
 
+# versions of GPT.forward one run compiles: a tapered run 8 (training and evaluation in each of
+# three phases, plus the calibrate event's two collect modes), FakeLN 10 (five stages, each in
+# training and evaluation mode). dynamo's default limit is 8; past it a function silently runs
+# uncompiled, so the limit gets room to spare.
+RECOMPILE_LIMIT = 32
+
+
+def compile_model(model):
+    """torch.compile(model), with dynamo's recompile limit raised to RECOMPILE_LIMIT (never lowered)."""
+    import torch._dynamo.config as dynamo_config
+    name = 'recompile_limit' if hasattr(dynamo_config, 'recompile_limit') else 'cache_size_limit'  # torch < 2.6
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), RECOMPILE_LIMIT))
+    return torch.compile(model)
+
+
 def wrap_ddp(model, env):
     """model under DDP when launched by torchrun, else model itself. broadcast_buffers=False:
     the calibration statistics are each rank's own until the model all-reduces them."""
     if not env.ddp:
         return model
-    return torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=[env.local_rank] if env.device_type == 'cuda' else None, broadcast_buffers=False)
+    with warnings.catch_warnings():
+        # torch >= 2.13 deprecates broadcast_buffers for forward_sync_buffers, which still syncs the
+        # buffers when DDP wraps the model; this runs at every phase change, after calibration,
+        # where the buffers are the model's own sums: keep broadcast_buffers=False, without the warning
+        warnings.filterwarnings('ignore', message='`broadcast_buffers` is deprecated', category=FutureWarning)
+        return torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[env.local_rank] if env.device_type == 'cuda' else None, broadcast_buffers=False)
 
 
 # ---- training steps, evaluation, the calibrate event, logging ---------------------------
 
-def train_step(train_model, raw_model, optimizer, folder, cfg, env, it, stopping=False):
+def train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stopping=False):
     """One optimizer step over gradient_accumulation_steps micro-batches. Returns the step's
     means over micro-batches and ranks {loss, ce, aux, hidden_rms, logit_rms, radial_cos},
     grad_norm (before clipping) and stop: whether any rank passed stopping=True (it rides on the
-    same all-reduce, so every rank stops at the same step). SystemExit on a non-finite loss,
-    before the optimizer step."""
+    same all-reduce, so every rank stops at the same step), all read from the device in one
+    .tolist(), the step's only host sync. SystemExit on a non-finite loss, before the optimizer
+    step. batches: a Batches (the next step's first micro-batch is built before that sync)."""
     torch.manual_seed(int(np.random.SeedSequence([cfg.seed, it, env.rank]).generate_state(1)[0]))  # dropout
-    sums = torch.zeros(7, device=env.dev)
+    sums = torch.zeros(8, device=env.dev)
     for micro in range(cfg.gradient_accumulation_steps):
         if env.ddp:  # all-reduce gradients on the last micro-step only
             train_model.require_backward_grad_sync = micro == cfg.gradient_accumulation_steps - 1
-        x, y = train_batch(folder, cfg, env, it, micro)
+        x, y = batches.get(it, micro)
         with env.autocast:
             _, loss = train_model(x, y)
         (loss / cfg.gradient_accumulation_steps).backward()
@@ -459,9 +497,12 @@ def train_step(train_model, raw_model, optimizer, folder, cfg, env, it, stopping
     if env.ddp:
         torch.distributed.all_reduce(sums)  # SUM: gloo has no AVG
         sums /= env.world
-    stats = dict(zip(('loss', 'ce', 'aux', 'hidden_rms', 'logit_rms', 'radial_cos', 'stop'), sums.tolist()))  # one host sync
+    sums[7] = grad_norm  # after the all-reduce: the gradients (and so their norm) are the same on every rank
+    if it + 1 < cfg.max_iters:
+        batches.prefetch(it + 1, 0)  # the next step's first micro-batch, built while the device works
+    stats = dict(zip(('loss', 'ce', 'aux', 'hidden_rms', 'logit_rms', 'radial_cos', 'stop', 'grad_norm'),
+                     sums.tolist()))  # the step's one host sync
     stats['stop'] = stats['stop'] > 0
-    stats['grad_norm'] = grad_norm.item()
     if not (math.isfinite(stats['loss']) and math.isfinite(stats['grad_norm'])):
         raise SystemExit(f"non-finite loss {stats['loss']} (grad norm {stats['grad_norm']}) at iteration {it}; "
                          f"stopping without saving: {os.path.join(cfg.out_dir, 'ckpt.pt')} keeps the last good state")
@@ -650,7 +691,7 @@ def main(argv):
         if env.master:
             print(f"resuming {ckpt_path} at iteration {iter_num}")
     del ckpt
-    fwd_model = torch.compile(raw_model) if env.compile else raw_model
+    fwd_model = compile_model(raw_model) if env.compile else raw_model
 
     def checkpoint(it):
         if env.master:
@@ -665,6 +706,7 @@ def main(argv):
 
     # ---- the training loop ----
     schedule = (cfg.taper, cfg.gate_warmup_iters, cfg.taper_iters)
+    batches = Batches(folder, cfg, env)
     train_model = None
     fwd_model.train()
     with StopSignal() as stop:
@@ -687,16 +729,17 @@ def main(argv):
                 checkpoint(it)
 
             t0 = time.perf_counter()
-            stats = train_step(train_model, raw_model, optimizer, folder, cfg, env, it, stop.received is not None)
+            stats = train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stop.received is not None)
             if phase == 'warmup' and cfg.calibration == 'ema':
                 raw_model.calibration_step()
             if cfg.norm_removal == 'fakeln':
                 raw_model.fakeln_step()  # σ(h) of the norms not yet removed, into their windows
-            if env.device_type == 'cuda':
-                torch.cuda.synchronize()
+            logged = it % cfg.log_interval == 0 or bool(record)
+            if logged and env.device_type == 'cuda':
+                torch.cuda.synchronize()  # on logged steps only: step_ms then includes the optimizer step
             dt_s = time.perf_counter() - t0
 
-            if it % cfg.log_interval == 0 or record:
+            if logged:
                 scale = raw_model.last_metrics.final_scale_rms
                 log(dict(iter=it, phase=phase, gate=gate, lr=lr, **{k: stats[k] for k in stats if k not in ('grad_norm', 'stop')},
                          **record, **({'final_scale_rms': scale.item()} if scale is not None else {}),
@@ -726,7 +769,7 @@ def main(argv):
         # free the DDP wrapper (its reducer holds the process group) before the group goes, with
         # every rank done: gloo aborted at exit now and then when one rank tore down first
         del train_model
-        torch.distributed.barrier()
+        torch.distributed.barrier(device_ids=[env.local_rank] if env.device_type == 'cuda' else None)
         torch.distributed.destroy_process_group()
     return raw_model
 

@@ -83,7 +83,7 @@ def test_the_gate_compares_greedy_tokens_too(monkeypatch):
         return folded
 
     monkeypatch.setattr(bench, 'fold_model', corrupted)
-    monkeypatch.setattr(fold, 'LOGIT_RTOL', float('inf'))  # the one tolerance, fold.py's
+    monkeypatch.setattr(fold, 'LOGIT_FLOOR', float('inf'))  # the one tolerance, fold.py's
     with pytest.raises(SystemExit, match='internal_folded .eager.: greedy tokens differ from token'):
         bench.main(TINY)
 
@@ -165,6 +165,48 @@ def test_compiled_path_passes_its_gate_without_recompiling(monkeypatch, capsys):
     assert all(r['compiled'] and r['compile_s'] > 0 for r in record['results'])
     assert counter.frame_count == 2 * len(bench.VARIANTS)  # a prefill and a decode graph each, no more
     torch._dynamo.reset()
+
+
+def eager_backend(monkeypatch):
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, 'compile', lambda fn, mode=None, **kw: real_compile(fn, backend='eager', **kw))
+
+
+def test_the_compiled_bf16_run_is_gated_against_bf16_eager(monkeypatch, capsys):
+    import torch._dynamo
+    torch._dynamo.reset()
+    eager_backend(monkeypatch)
+    bench.main(TINY[:-2] + ['--compile=compiled', '--device=cpu', '--dtype=bfloat16'])
+    assert 'gate (bfloat16, compiled): prefill logits within' in capsys.readouterr().out
+    # a compiled decode step that picks another token than the argmax fails it: no speed reported
+    real_steps = bench.make_steps
+
+    def off_by_one(compiled, device_type, functions=(bench.prefill, bench.decode_one_token)):
+        steps = real_steps(compiled, device_type, functions)
+        if not compiled or len(steps) != 2:
+            return steps
+        return steps[0], lambda model, tok, pos, *a: (steps[1](model, tok, pos, *a) + 1) % model.config.vocab_size
+
+    monkeypatch.setattr(bench, 'make_steps', off_by_one)
+    with pytest.raises(SystemExit, match=r'greedy tokens differ from token 1 on, where the eager top-2 margin .* is no near-tie'):
+        bench.main(TINY[:-2] + ['--compile=compiled', '--device=cpu', '--dtype=bfloat16'])
+    torch._dynamo.reset()
+
+
+def test_a_greedy_token_may_flip_only_at_a_near_tie():
+    V = 5
+    def model_with(last):  # teacher-forced logits whose last position is `last` (B, V)
+        return lambda seq, targets: (torch.cat([torch.zeros(seq.size(0), seq.size(1) - 1, V),
+                                                last[:, None]], dim=1), None)
+    prompt, want = torch.zeros(2, 3, dtype=torch.long), torch.tensor([[1, 2, 3], [1, 2, 3]])
+    got = torch.tensor([[1, 4, 0], [1, 2, 3]])  # row 0 flips at token 1 (and goes its own way after)
+    tie = torch.tensor([[0.0, 0.0, 10.0, 0.0, 9.9], [0.0] * 5])  # 2 vs 4: margin 0.1 < 0.02 · 10
+    note = bench.same_tokens_up_to_a_near_tie('x', model_with(tie), prompt, got, want, 0.02)
+    assert note == 'x: a near-tie at token 1 (margin 0.1 < 0.2)'
+    clear = torch.tensor([[0.0, 0.0, 10.0, 0.0, 9.0], [0.0] * 5])  # margin 1 is no tie
+    with pytest.raises(SystemExit, match='token 1 on, where the eager top-2 margin 1 is no near-tie'):
+        bench.same_tokens_up_to_a_near_tie('x', model_with(clear), prompt, got, want, 0.02)
+    assert bench.same_tokens_up_to_a_near_tie('x', None, prompt, want, want, 0.02) == ''
 
 
 def test_a_raw_linear_phase_checkpoint_is_gated_against_its_tapernorm_form(tmp_path, capsys):

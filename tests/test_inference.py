@@ -1,6 +1,7 @@
 """KV-cached decoding, sampling, unfused and folded inference, fold.py and sample.py (docs/method.md §5)."""
 
 import ast
+import copy
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,32 @@ def test_positions_beyond_the_context_are_refused_with_the_limit():
     with pytest.raises(RuntimeError, match='setup_caches'):
         GPT(GPTConfig(block_size=8, vocab_size=8, n_layer=1, n_head=1, n_embd=8))(
             torch.zeros(1, 1, dtype=torch.long), input_pos=torch.zeros(1, dtype=torch.long))
+
+
+def test_a_decode_step_indexes_by_slices_not_by_lists():
+    # x[:, [-1]] builds an index tensor from a Python list, a blocking host-to-device copy on a
+    # GPU every decode step (aten.lift_fresh); a slice (x[:, -1:]) is a view. And no op may read a
+    # value back to the host (aten._local_scalar_dense: .item(), or F.one_hot's range check).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    model = linear_phase(taper='all').eval()
+    model.setup_caches(2, 16)
+    idx, prompt_pos, next_pos, gen = torch.randint(0, 96, (2, 5)), torch.arange(5), torch.tensor([5]), torch.Generator()
+    with Ops() as ops, torch.no_grad():
+        tok = prefill(model, idx, prompt_pos, temperature=1.0, top_k=5, generator=gen)
+        decode_one_token(model, tok, next_pos, temperature=1.0, top_k=5, generator=gen)
+        model(idx)  # the eager forward without targets
+    assert 'aten.topk' in ops.seen and 'aten.slice' in ops.seen  # the mode saw the ops
+    assert not ops.seen & {'aten.lift_fresh', 'aten._local_scalar_dense'}
 
 
 def test_compiled_decode_step_never_recompiles():
@@ -262,6 +289,37 @@ def test_fold_refuses_what_it_cannot_fold():
     dyt = GPT(GPTConfig(block_size=8, vocab_size=8, n_layer=1, n_head=1, n_embd=8, norm='dyt'))
     with pytest.raises(fold.FoldError, match=r'DyT model: tanh\(α·h\) is not a linear map'):
         fold.fold_state_dict(dyt.state_dict(), vars(dyt.config))
+
+
+def offset_layernorm_model(offset):
+    """An All-TaperLN model in the linear phase with random c·γ̃, β̃ and `offset` added to every
+    embedding entry: a large residual stream, as GPT-2's first position has."""
+    model = linear_phase('layernorm', taper='all', seed=3)
+    with torch.no_grad():
+        model.transformer.wte.weight.add_(offset)
+        model.transformer.wpe.weight.add_(offset)
+    return model
+
+
+def test_the_fold_check_judges_both_forms_against_fp64():
+    x = torch.randint(0, 96, (4, 64), generator=torch.Generator().manual_seed(1))
+    big = offset_layernorm_model(100.0)
+    folded = fold.fold_model(big)
+    # fp32 rounding alone puts both forms ~1e-4 of the largest logit from fp64, and from each
+    # other (a check of 1e-4 between them refused this correct fold): judged against fp64, the
+    # folded model is as good as the unfolded one, and the fold passes
+    ref = copy.deepcopy(big).double()(x, x)[0]
+    err_unfolded = (big(x, x)[0].double() - ref).abs().max().item()
+    err_folded = (folded(x, x)[0].double() - ref).abs().max().item()
+    assert err_unfolded > 5e-5 * ref.abs().max().item() and err_folded <= 4 * err_unfolded
+    diff, scale = fold.max_logit_error(big, folded, x, 'unfolded vs folded')
+    assert diff > 1e-4 * scale  # what the old check refused
+    # one γ̃ entry off by 1e-3 in the folded weights is refused, at that scale too
+    wrong = fold.fold_model(big)
+    with torch.no_grad():
+        wrong.transformer.h[0].attn.c_attn.weight[:, 5] *= 1 + 1e-3
+    with pytest.raises(fold.CheckError, match='from an fp64 copy of the first'):
+        fold.max_logit_error(big, wrong, x, 'unfolded vs folded')
 
 
 # ---- the scripts, end to end ----------------------------------------------------------

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 import train
 import configurator
@@ -367,7 +368,7 @@ def test_a_training_step_is_the_mean_of_its_micro_batches_losses(toy_data, tmp_p
         def zero_grad(self, set_to_none=True):
             model.zero_grad(set_to_none=set_to_none)
 
-    stats = train.train_step(model, model, Capture(), folder, cfg, env, it=5)
+    stats = train.train_step(model, model, Capture(), train.Batches(folder, cfg, env), cfg, env, it=5)
     total = 0
     for micro in range(2):
         x, y = train.get_batch(folder, 'train', train.batch_rng(cfg.seed, 0, 5, 0, micro), 2, 16, 'cpu')
@@ -411,3 +412,34 @@ def test_final_losses_cover_the_whole_val_split_and_as_many_train_windows(toy_da
             y = torch.from_numpy(np.stack([data[s + 1:s + 17] for s in starts_]))
             ce = F.cross_entropy(model(x, y)[0].reshape(-1, 64), y.reshape(-1))
             assert final[key] == pytest.approx(ce.item(), rel=1e-5), key
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the calls that copy a tensor's value to the host (on a GPU each one waits for it)."""
+    READS = ('item', 'tolist', 'numpy', 'cpu', '__bool__', '__float__', '__int__')
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, '__name__', '') in self.READS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize('taper', ['none', 'all'])
+def test_a_training_step_reads_the_device_once(toy_data, tmp_path, taper):
+    # loss, metrics, grad norm and the stop flag come back in one .tolist(): the step's only host sync
+    cfg = load_config(toy_args(toy_data, tmp_path / 'x', taper=taper, aux_weight=0.1 if taper != 'none' else 0.0))
+    env = train.setup(cfg)
+    model = GPT(GPTConfig(**{k: getattr(cfg, k) for k in train.MODEL_KEYS}, vocab_size=64))
+    opt = SimpleNamespace(step=lambda: None, zero_grad=model.zero_grad)  # torch's own optimizer is not counted
+    batches = train.Batches(str(toy_data / 'toy'), cfg, env)
+    train.train_step(model, model, opt, batches, cfg, env, it=0)  # the first step: lazy state built
+    with HostReads() as reads:
+        stats = train.train_step(model, model, opt, batches, cfg, env, it=1)
+    assert reads.calls == ['tolist'] and math.isfinite(stats['grad_norm'])
+    # the next step's first micro-batch was built ahead, and is the one train_batch gives
+    x, y = batches.get(2, 0)
+    assert torch.equal(x, train.train_batch(str(toy_data / 'toy'), cfg, env, 2, 0)[0])
