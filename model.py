@@ -43,6 +43,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+if not hasattr(F, 'rms_norm'):  # the oldest torch this file runs on; newer APIs are guarded where used
+    raise ImportError(f"tapernorm needs torch >= 2.4 (F.rms_norm); this is torch {torch.__version__}")
+
 NORMS = ('rmsnorm', 'layernorm', 'dyt')  # 'dyt': the DyT baseline (baselines.py), no per-token statistics
 TAPERS = ('none', 'internal', 'all')
 PHASES = ('warmup', 'taper', 'linear')  # 'baseline' is the phase of a model with taper='none'

@@ -443,3 +443,30 @@ def test_a_training_step_reads_the_device_once(toy_data, tmp_path, taper):
     # the next step's first micro-batch was built ahead, and is the one train_batch gives
     x, y = batches.get(2, 0)
     assert torch.equal(x, train.train_batch(str(toy_data / 'toy'), cfg, env, 2, 0)[0])
+
+
+@pytest.mark.parametrize('variant, expected', [
+    # warmup, taper, linear: training and evaluation each (6), and the calibrate event's two
+    # collect modes in evaluation ('calibration', 'mismatch')
+    (dict(taper='all', calibration='end'), 8),
+    # 'ema' collects in the warmup's training forwards instead: training and evaluation in each
+    # phase, and the calibrate event's 'mismatch' pass
+    (dict(taper='all', calibration='ema'), 7),
+    # FakeLN: five stages (events before iterations 4, 8, 12, 16), training and evaluation in each
+    (dict(taper='none', aux_weight=0.0, norm='layernorm', norm_removal='fakeln', fakeln_interval=4,
+          max_iters=20, lr_decay_iters=20), 10),
+])
+def test_a_compiled_run_compiles_each_version_of_the_forward_once_and_stays_compiled(
+        toy_data, tmp_path, monkeypatch, variant, expected):
+    # dynamo's own count (CompileCounter), validation and calibration passes included; the default
+    # recompile limit (8) would have left FakeLN's last versions running uncompiled
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    counter, real_compile = CompileCounter(), torch.compile
+    monkeypatch.setattr(torch, 'compile', lambda model, **kw: real_compile(model, backend=counter, **kw))
+    monkeypatch.setattr(train, 'check_compiler', lambda device: None)  # its probe would count too
+    train.main(toy_args(toy_data, tmp_path / 'run', compile=True, dropout=0.0, **variant))
+    assert counter.frame_count == expected
+    assert expected <= train.RECOMPILE_LIMIT
+    torch._dynamo.reset()
