@@ -11,7 +11,7 @@ skipped; one with a ckpt.pt continues with --init_from=resume; one whose loss we
 is recorded as diverged (with its iteration) and never retried. After each cell, its summary
 goes into study_dir/results.json (with the git commit, torch version and thread count it ran
 with), written atomically: a stopped study loses nothing and the same command continues it.
-The README's tables are printed by --table from that file. Each cell runs with
+The tables of docs/results.md are printed by --table from that file (--readme=docs/results.md writes them there). Each cell runs with
 OMP_NUM_THREADS=threads; jobs cells run at once (2 on a 2-core machine).
 """
 
@@ -42,7 +42,7 @@ threads = 1                 # OMP_NUM_THREADS of each cell
 run = True                  # train the cells that are not finished
 table = True                # print the tables of the matrix's finished cells
 only = ''                   # run and report only these cells of the matrix (comma-separated names)
-readme = ''                 # also write them into this markdown file, between <!-- study:MATRIX --> and <!-- /study:MATRIX -->
+readme = ''                 # also write them into this markdown file (docs/results.md), between <!-- study:MATRIX --> and <!-- /study:MATRIX -->
 # -----------------------------------------------------------------------------
 DEFAULTS = dict(defaults_of(globals()), __file__=__file__, __doc__=__doc__)  # before anything else is defined
 
@@ -139,7 +139,7 @@ MATRICES = {
     '3M_lr': lr_cells(('baseline', 'internal'), (2e-3, 8e-3, 1.6e-2), size='3M'),
     # seed 2 at the 3M model's best learning rate (both variants: 8e-3)
     '3M_tuned': lr_cells(('baseline', 'internal'), (8e-3,), (1, 2), size='3M'),
-    # the CPU proxy of the GPT-2 family (README): the small GPT-2-shaped model pretrained on
+    # the CPU proxy of the GPT-2 family (docs/results.md): the small GPT-2-shaped model pretrained on
     # sotu_gpt2 by config/gpt2_proxy_pretrain.py and exported with export_gpt2.py, fine-tuned on
     # austen_gpt2 through --init_from=FOLDER with each of the four GPT-2 configs
     'gpt2proxy': {f'{v}-proxy-s1': [f'config/finetune_gpt2_{v}.py', 'config/gpt2_proxy.py', '--seed=1']
