@@ -1,14 +1,20 @@
 """
-Norm-removal baselines that are not TaperNorm: the norms a GPT gets with norm='dyt'.
+Norm-removal baselines beside TaperNorm: FakeLN's norms (norm_removal='fakeln', docs/method.md §7)
+and DyT (norm='dyt'). Imported by model.GPT only when a model uses them.
+
+FakeLN removes the norms of a trained model one kind at a time, each replaced by fixed scalars;
+a removed norm is linear and folds like a linear-phase TaperNorm (fold.py).
 
 DyT (Zhu, Chen, He, LeCun & Liu, "Transformers without Normalization", CVPR 2025,
 arXiv 2503.10622) replaces every norm, the final one too, by an elementwise squashing map with no
 per-token statistics. Unlike a linear-phase TaperNorm it is not linear, so it never folds into the
-next layer (fold.py and bench.py refuse a DyT checkpoint). Imported by model.GPT only when used.
+next layer (fold.py and bench.py refuse a DyT checkpoint).
 """
 
 import torch
 import torch.nn as nn
+
+from model import Norm, norm_input, norm_scale
 
 # α₀ by position: the DyT paper's initialization for its language models (LLaMA-2 7B, its
 # narrowest LLM: 0.8 before attention, 0.2 before the MLP and at the final norm). The paper finds
@@ -34,3 +40,54 @@ class DyT(nn.Module):
 
     def forward(self, h, gate=None, pos=None):
         return torch.tanh(self.alpha * h) * self.weight + self.bias
+
+
+class FakeNorm(Norm):
+    """FakeLN (Heimersheim 2024; Baroni et al. 2025, arXiv 2507.02559), the norm-removal baseline
+    (docs/method.md §7): once removed, the norm divides by fixed scalars instead of σ(h):
+
+        before removal:  N(h) = (P h / σ(h)) ⊙ γ + β       (the ordinary norm; RMS kind: h, r(h), no β)
+        after:           F(h) = (P h / s) ⊙ γ + β          s = `std`; at position 0, s0 = `std_first`
+
+    s and s0 are the token means of σ(h) at positions ≥ 1 and at position 0 over the training
+    forwards since the previous removal, measured on the model's own activations (`GPT.remove_norms`).
+    F is a fixed linear map at every position ≥ 1, so it folds like a linear-phase TaperNorm with
+    c = 1/s, γ̃ = γ, β̃ = β; at position 0 it is s/s0 times that map, which no weight matrix (the
+    same at every position) holds: the last FakeLN event sets s0 = s (docs/method.md §7).
+
+    `removed` and `first_position` are Python attributes set by GPT._sync_fakeln (as TaperNorm.phase):
+    a compiled model recompiles at a removal event, never per step. Buffers: std, std_first (scalars),
+    window (Σ σ at positions ≥ 1, their count, Σ σ at position 0, its count, since the previous
+    removal: identical on every rank), step_sums (the same for this optimizer step, this rank's,
+    not saved). A training-mode forward before removal adds to step_sums.
+    h: (B, T, d) -> (B, T, d); pos: (T,) positions of h, None for 0 .. T−1.
+    """
+
+    def __init__(self, d, kind, bias, eps):
+        super().__init__(d, kind, bias, eps)
+        self.register_buffer('std', torch.ones(()))
+        self.register_buffer('std_first', torch.ones(()))
+        self.register_buffer('window', torch.zeros(4))
+        self.register_buffer('step_sums', torch.zeros(4), persistent=False)
+        self.removed = False
+        self.first_position = True
+
+    @torch.no_grad()
+    def observe(self, h):
+        """Add this forward's sums of σ(h) (fp32) at positions ≥ 1 and at position 0 to step_sums."""
+        s = norm_scale(h.float(), self.kind, self.eps)[..., 0]  # (B, T)
+        first = s[:, 0]
+        self.step_sums += torch.stack([s.sum() - first.sum(), s.new_full((), s.numel() - first.numel()),
+                                       first.sum(), s.new_full((), first.numel())])
+
+    def forward(self, h, gate=None, pos=None):
+        if not self.removed:
+            if self.training:
+                self.observe(h)
+            return self.normalize(h)
+        s = self.std
+        if self.first_position:
+            pos = torch.arange(h.size(-2), device=h.device) if pos is None else pos
+            s = torch.where(pos[:, None] == 0, self.std_first, self.std)  # (T, 1)
+        y = norm_input(h, self.kind) / s * self.weight
+        return y if self.bias is None else y + self.bias

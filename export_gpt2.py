@@ -21,7 +21,8 @@ import torch
 
 from configurator import ConfigError, configure
 from fold import CheckError, max_logit_error
-from model import GPT, PretrainedError, export_gpt2
+from gpt2 import PretrainedError, export_gpt2
+from model import GPT
 
 # -----------------------------------------------------------------------------
 ckpt = ''           # a train.py checkpoint: a LayerNorm baseline, a gate-warmup TaperNorm, or FakeLN before its first removal

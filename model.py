@@ -20,18 +20,17 @@ Everything the method adds lives here, each in one place:
 - `TaperScale`, `GPT.unfused`   g = 0 kept as one precomputed multiply         (docs/method.md §5)
 - `GPTConfig.folded`            a model whose tapered norms fold.py merged away (docs/method.md §5;
                                 the arithmetic is fold.py's `fold_state_dict`)
-- `FakeNorm`, `GPT.remove_norms` the FakeLN baseline: σ(h) replaced by fixed scalars   (docs/method.md §7)
-- `GPT.from_pretrained`, `export_gpt2`
-                                GPT-2 weights in and out through Hugging Face transformers (§7)
+- `GPT.remove_norms`            the FakeLN baseline's removal events; its norm, `FakeNorm`, and
+                                DyT live in baselines.py                       (docs/method.md §7)
 
 Inference has one decode path, as in gpt-fast: a static, preallocated KV cache per layer
 (`KVCache`, `GPT.setup_caches`), `prefill` of the prompt, then `decode_one_token` steps
 (`decode_n_tokens`) whose tensor shapes never change, the position a tensor advanced in place,
 so a compiled decode step never recompiles. `GPT.generate`, sample.py and bench.py all use it.
 
-Module names follow GPT-2 (transformer.wte/wpe/h.N.ln_1/attn.c_attn/...); `GPT.from_pretrained`
-loads GPT-2's released weights (its Conv1D layers store W transposed) and `export_gpt2` writes them
-back, both through Hugging Face transformers, an optional dependency imported only there.
+Module names follow GPT-2 (transformer.wte/wpe/h.N.ln_1/attn.c_attn/...), so gpt2.py can load
+GPT-2's released weights into a GPT (`GPT.from_pretrained`) and write them back, through Hugging
+Face transformers, an optional dependency imported only there.
 """
 
 import math
@@ -295,57 +294,6 @@ class RadialCos(torch.autograd.Function):
         return grad, F.cosine_similarity(grad.float(), h.float(), dim=-1).mean()
 
 
-class FakeNorm(Norm):
-    """FakeLN (Heimersheim 2024; Baroni et al. 2025, arXiv 2507.02559), the norm-removal baseline
-    (docs/method.md §7): once removed, the norm divides by fixed scalars instead of σ(h):
-
-        before removal:  N(h) = (P h / σ(h)) ⊙ γ + β       (the ordinary norm; RMS kind: h, r(h), no β)
-        after:           F(h) = (P h / s) ⊙ γ + β          s = `std`; at position 0, s0 = `std_first`
-
-    s and s0 are the token means of σ(h) at positions ≥ 1 and at position 0 over the training
-    forwards since the previous removal, measured on the model's own activations (`GPT.remove_norms`).
-    F is a fixed linear map at every position ≥ 1, so it folds like a linear-phase TaperNorm with
-    c = 1/s, γ̃ = γ, β̃ = β; at position 0 it is s/s0 times that map, which no weight matrix (the
-    same at every position) holds: the last FakeLN event sets s0 = s (docs/method.md §7).
-
-    `removed` and `first_position` are Python attributes set by GPT._sync_fakeln (as TaperNorm.phase):
-    a compiled model recompiles at a removal event, never per step. Buffers: std, std_first (scalars),
-    window (Σ σ at positions ≥ 1, their count, Σ σ at position 0, its count, since the previous
-    removal: identical on every rank), step_sums (the same for this optimizer step, this rank's,
-    not saved). A training-mode forward before removal adds to step_sums.
-    h: (B, T, d) -> (B, T, d); pos: (T,) positions of h, None for 0 .. T−1.
-    """
-
-    def __init__(self, d, kind, bias, eps):
-        super().__init__(d, kind, bias, eps)
-        self.register_buffer('std', torch.ones(()))
-        self.register_buffer('std_first', torch.ones(()))
-        self.register_buffer('window', torch.zeros(4))
-        self.register_buffer('step_sums', torch.zeros(4), persistent=False)
-        self.removed = False
-        self.first_position = True
-
-    @torch.no_grad()
-    def observe(self, h):
-        """Add this forward's sums of σ(h) (fp32) at positions ≥ 1 and at position 0 to step_sums."""
-        s = norm_scale(h.float(), self.kind, self.eps)[..., 0]  # (B, T)
-        first = s[:, 0]
-        self.step_sums += torch.stack([s.sum() - first.sum(), s.new_full((), s.numel() - first.numel()),
-                                       first.sum(), s.new_full((), first.numel())])
-
-    def forward(self, h, gate=None, pos=None):
-        if not self.removed:
-            if self.training:
-                self.observe(h)
-            return self.normalize(h)
-        s = self.std
-        if self.first_position:
-            pos = torch.arange(h.size(-2), device=h.device) if pos is None else pos
-            s = torch.where(pos[:, None] == 0, self.std_first, self.std)  # (T, 1)
-        y = norm_input(h, self.kind) / s * self.weight
-        return y if self.bias is None else y + self.bias
-
-
 def apply_norm(norm, x, gate, pos=None):
     """norm(x, gate, pos), or x itself where fold.py merged the norm into the next linear layer."""
     return x if norm is None else norm(x, gate, pos)
@@ -502,7 +450,10 @@ class GPT(nn.Module):
                 return Norm(config.n_embd, kind, config.bias, eps)
             if config.folded:
                 return None  # merged into the next linear layer by fold.py
-            return (FakeNorm if config.norm_removal == 'fakeln' else TaperNorm)(config.n_embd, kind, config.bias, eps)
+            if config.norm_removal == 'fakeln':
+                from baselines import FakeNorm
+                return FakeNorm(config.n_embd, kind, config.bias, eps)
+            return TaperNorm(config.n_embd, kind, config.bias, eps)
 
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
@@ -702,6 +653,7 @@ class GPT(nn.Module):
     def fakenorms(self, kind=None):
         """(name, FakeNorm) pairs, e.g. ('h.0.ln_2', ...), in forward order; kind: 'ln_1', 'ln_2',
         'ln_f' or None for all."""
+        from baselines import FakeNorm
         return [(n.removeprefix('transformer.'), m) for n, m in self.named_modules()
                 if isinstance(m, FakeNorm) and kind in (None, n.rpartition('.')[2])]
 
@@ -890,36 +842,9 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_folder, overrides=None):
-        """A GPT holding a GPT-2 checkpoint's weights: a GPT2_MODELS name (downloaded by
-        transformers) or a folder with a transformers GPT-2 checkpoint (config.json + weights).
-        The shape comes from its config; overrides (GPTConfig fields) as in pretrained_args: the
-        position embedding is cropped to a smaller block_size; taper / aux_weight / norm_removal /
-        dropout apply on top, so a gate warmup calibrates c on the pretrained model's activations.
-        Conv1D weights are transposed. Raises PretrainedError with a one-line message.
-        """
-        args = pretrained_args(name_or_folder, overrides)
-        tf = _transformers()
-        try:
-            hf = tf.GPT2LMHeadModel.from_pretrained(GPT2_HUB.get(name_or_folder, name_or_folder))
-        except Exception as e:  # no weights, offline, corrupt files: one line
-            raise PretrainedError(f"cannot load the weights of {name_or_folder} ({_first_line(e)}); "
-                                  "offline, pass a folder holding config.json and the weights") from None
-        model = cls(GPTConfig(**args))
-        sd = {}
-        for key, value in hf.state_dict().items():
-            if key.endswith(('.attn.bias', '.attn.masked_bias')):  # causal-mask buffers of older versions
-                continue
-            if key.endswith(CONV1D_WEIGHTS):
-                value = value.t()
-            sd[key] = value[:args['block_size']] if key == 'transformer.wpe.weight' else value
-        sd.setdefault('lm_head.weight', sd['transformer.wte.weight'])  # tied
-        missing, unexpected = model.load_state_dict(sd, strict=False)
-        # what GPT-2 lacks is TaperNorm's / FakeNorm's own state (γ̃, β̃, c, s, ...) and the model's buffers
-        missing = [k for k in missing if k.rpartition('.')[2] in ('weight', 'bias')]
-        if missing or unexpected:
-            raise PretrainedError(f"{name_or_folder} does not fit a GPT-2 of its config: missing "
-                                  f"{missing[:3]}, unexpected {unexpected[:3]}")
-        return model
+        """A GPT holding a GPT-2 checkpoint's weights (gpt2.from_pretrained: needs transformers)."""
+        from gpt2 import from_pretrained
+        return from_pretrained(name_or_folder, overrides)
 
     @classmethod
     def from_checkpoint(cls, path, device='cpu'):
@@ -938,132 +863,6 @@ class GPT(nn.Module):
         groups = [{'params': decay, 'weight_decay': weight_decay},
                   {'params': no_decay, 'weight_decay': 0.0}]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
-
-
-# ---- GPT-2 in and out through Hugging Face transformers (optional: imported only here) ------------
-
-GPT2_MODELS = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
-GPT2_HUB = {name: f'openai-community/{name}' for name in GPT2_MODELS}  # their Hugging Face hub names
-GPT2_ACTIVATIONS = {'gelu_new': 'gelu_tanh', 'gelu_pytorch_tanh': 'gelu_tanh', 'gelu': 'gelu'}  # transformers -> ours
-# GPTConfig fields a pretrained checkpoint fixes (block_size may be smaller: the position embedding is cropped)
-PRETRAINED_SHAPE = ('n_layer', 'n_head', 'n_embd', 'vocab_size', 'bias', 'norm', 'norm_eps', 'activation')
-CONV1D_WEIGHTS = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')  # stored (in, out)
-
-
-class PretrainedError(ValueError):
-    """A GPT-2 checkpoint that cannot be loaded, or a model that cannot be exported as one; the
-    message says why and what to do."""
-
-
-def _first_line(e):
-    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)[:200]
-
-
-def _transformers():
-    """The transformers module; PretrainedError saying how to install it when it is missing."""
-    try:
-        import transformers
-    except ImportError:
-        raise PretrainedError("GPT-2 checkpoints are read and written through Hugging Face "
-                              "transformers, which is not installed: pip install transformers") from None
-    return transformers
-
-
-def pretrained_config(name_or_folder):
-    """GPTConfig fields of a GPT-2 checkpoint from its config alone (no weights are read): n_layer,
-    n_head, n_embd, vocab_size, block_size = n_positions, bias=True, norm='layernorm', norm_eps =
-    layer_norm_epsilon, activation from activation_function. Raises PretrainedError for a name that
-    is neither a GPT2_MODELS name nor a folder with config.json, an unreadable config, or a
-    variant this GPT cannot hold (another model type, n_inner ≠ 4·n_embd, other attention scaling,
-    cross-attention, an untied head)."""
-    if name_or_folder not in GPT2_HUB and not os.path.isfile(os.path.join(name_or_folder, 'config.json')):
-        raise PretrainedError(f"{name_or_folder!r} is neither a GPT-2 name ({', '.join(GPT2_MODELS)}) nor a "
-                              "folder holding a transformers GPT-2 checkpoint (config.json + weights)")
-    tf = _transformers()
-    try:
-        hf = tf.AutoConfig.from_pretrained(GPT2_HUB.get(name_or_folder, name_or_folder))
-    except Exception as e:
-        raise PretrainedError(f"cannot read the config of {name_or_folder} ({_first_line(e)}); offline, "
-                              "pass a folder holding config.json and the weights") from None
-    if not isinstance(hf, tf.GPT2Config):
-        raise PretrainedError(f"{name_or_folder} holds a {type(hf).__name__}, not a GPT-2 (GPT2Config)")
-    unsupported = [f"{key}={value!r}" for key, value, ok in (
-        ('activation_function', hf.activation_function, hf.activation_function in GPT2_ACTIVATIONS),
-        ('n_inner', hf.n_inner, hf.n_inner in (None, 4 * hf.n_embd)),
-        ('scale_attn_weights', hf.scale_attn_weights, hf.scale_attn_weights),
-        ('scale_attn_by_inverse_layer_idx', hf.scale_attn_by_inverse_layer_idx, not hf.scale_attn_by_inverse_layer_idx),
-        ('add_cross_attention', hf.add_cross_attention, not hf.add_cross_attention),
-        ('tie_word_embeddings', hf.tie_word_embeddings, hf.tie_word_embeddings)) if not ok]
-    if unsupported:
-        raise PretrainedError(f"{name_or_folder} is a GPT-2 variant this model cannot hold: {', '.join(unsupported)}")
-    return dict(n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd, vocab_size=hf.vocab_size,
-                block_size=hf.n_positions, bias=True, norm='layernorm', norm_eps=hf.layer_norm_epsilon,
-                activation=GPT2_ACTIVATIONS[hf.activation_function])
-
-
-def pretrained_args(name_or_folder, overrides=None):
-    """GPTConfig fields for a GPT-2 checkpoint (pretrained_config) with `overrides` on top. A key
-    of PRETRAINED_SHAPE must agree with the checkpoint; block_size may be at most n_positions
-    (a smaller one crops the position embedding); any other field (taper, aux_weight,
-    norm_removal, dropout, ...) applies. Raises PretrainedError naming both values."""
-    args = pretrained_config(name_or_folder)
-    context = args['block_size']
-    for key, value in (overrides or {}).items():
-        if key == 'block_size' and value > context:
-            raise PretrainedError(f"block_size={value} exceeds {name_or_folder}'s context n_positions={context}; "
-                                  f"use at most {context} (a smaller one crops the position embedding)")
-        if key in PRETRAINED_SHAPE and value != args[key]:
-            fix = ("prepare the dataset with the full GPT-2 vocabulary (--vocab_size=0)" if key == 'vocab_size'
-                   else f"leave {key} out to take it from the pretrained model")
-            raise PretrainedError(f"{key}={value!r} contradicts {name_or_folder}'s {key}={args[key]!r}: {fix}")
-        args[key] = value
-    try:
-        GPTConfig(**args)
-    except (TypeError, ValueError) as e:
-        raise PretrainedError(str(e)) from None
-    return args
-
-
-@torch.no_grad()
-def export_gpt2(model, folder):
-    """Write a model that still normalizes (a baseline, or a TaperNorm model in its gate warmup, or
-    FakeLN before its first removal) as a transformers GPT-2 folder (save_pretrained: config.json
-    and the weights), the inverse of GPT.from_pretrained: loading the folder gives the same logits.
-    Conv1D weights are stored transposed; a model without biases gets zero biases. Raises
-    PretrainedError for a model GPT-2 cannot express: RMSNorm, folded, tapered (taper or linear
-    phase), or FakeLN after a removal."""
-    c = model.config
-    stage = int(model.fakeln_stage) if c.norm_removal == 'fakeln' else 0
-    refusals = [
-        (c.norm != 'layernorm', "its norms are RMSNorm; GPT-2 normalizes with LayerNorm"),
-        (c.folded, "it is folded: its norms were merged into the next weights"),
-        (model.phase in ('taper', 'linear'),
-         f"it is in the {model.phase} phase (g = {model.gate.item():.4g}): its tapered norms no longer normalize"),
-        (stage > 0, f"FakeLN has removed {FAKELN_EVENTS[stage - 1]} (and what came before): those norms no "
-                    "longer normalize")]
-    for refused, reason in refusals:
-        if refused:
-            raise PretrainedError(f"cannot export as GPT-2: {reason}; export a baseline, or a checkpoint "
-                                  "from the gate warmup or before the first FakeLN removal")
-    tf = _transformers()
-    eot = 50256 if c.vocab_size == 50257 else None  # GPT-2's <|endoftext|>, only in its own vocabulary
-    hf = tf.GPT2LMHeadModel(tf.GPT2Config(
-        vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
-        layer_norm_epsilon=c.norm_eps, activation_function='gelu_new' if c.activation == 'gelu_tanh' else 'gelu',
-        resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout, tie_word_embeddings=True,
-        bos_token_id=eot, eos_token_id=eot))
-    ours = model.state_dict()
-    sd = {}
-    for key, target in hf.state_dict().items():
-        value = target if key.endswith(('.attn.bias', '.attn.masked_bias')) else ours.get(key)  # mask buffers
-        if value is None and key.endswith('bias') and not c.bias:
-            value = torch.zeros_like(target)
-        if value is None:
-            raise PretrainedError(f"cannot export as GPT-2: the model has no {key}")
-        sd[key] = (value.t() if key.endswith(CONV1D_WEIGHTS) else value).float().contiguous()
-    hf.load_state_dict(sd)
-    hf.save_pretrained(folder)
-    return folder
 
 
 def save_checkpoint(obj, path):

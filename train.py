@@ -24,7 +24,7 @@ k · fakeln_interval (k = 1 .. 4) it removes ln_2, then ln_1, then ln_f, then th
 own scalar; each event is logged.
 
 init_from='gpt2' (or gpt2-medium, -large, -xl, or a folder holding a transformers GPT-2 checkpoint)
-starts from GPT-2's weights (model.GPT.from_pretrained): the model shape comes from its config,
+starts from GPT-2's weights (gpt2.from_pretrained): the model shape comes from its config,
 except keys set explicitly, which must agree with it.
 """
 
@@ -49,8 +49,8 @@ except ImportError:
     fcntl = None
 
 from configurator import ConfigError, check_compiler, configure, defaults_of, keys_set, parse_args, resolve_device
-from model import (FAKELN_EVENTS, GPT, GPT2_MODELS, PRETRAINED_SHAPE, GPTConfig, PretrainedError, load_checkpoint,
-                   pretrained_args, save_checkpoint)
+from gpt2 import GPT2_MODELS, PRETRAINED_SHAPE, PretrainedError, pretrained_args
+from model import FAKELN_EVENTS, GPT, GPTConfig, load_checkpoint, save_checkpoint
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -163,7 +163,7 @@ def load_config(argv):
 
 def pretrained_config(argv, cfg):
     """For init_from=<GPT-2 name or folder>: cfg with SHAPE_KEYS taken from the pretrained config
-    (model.pretrained_args), except the keys argv sets explicitly, which must agree with it
+    (gpt2.pretrained_args), except the keys argv sets explicitly, which must agree with it
     (block_size may be smaller). SystemExit with one line naming both values otherwise."""
     given = keys_set(argv, defaults_of(globals()), SHAPE_KEYS, CHOICES)
     overrides = {k: getattr(cfg, k) for k in MODEL_KEYS if k in given or k not in SHAPE_KEYS}

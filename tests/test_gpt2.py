@@ -25,8 +25,9 @@ import sample
 import train
 from test_data import load_script
 from test_train import interrupt_at, linear_phase_model, read_log
-from model import (FAKELN_EVENTS, GPT, GPTConfig, FakeNorm, PretrainedError, TaperNorm, export_gpt2 as export,
-                   pretrained_args)
+from baselines import FakeNorm
+from gpt2 import PretrainedError, export_gpt2 as export, pretrained_args
+from model import FAKELN_EVENTS, GPT, GPTConfig, TaperNorm
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / 'data'))
