@@ -60,88 +60,6 @@ LADDER = {'0.4M': dict(n_layer=8, n_embd=32, n_head=1),
 CALIB_DECAY = 0.99  # ρ: EMA decay per optimizer step of the calibration statistics (docs/method.md §3)
 
 
-@dataclass
-class GPTConfig:
-    block_size: int = 512       # context length T
-    vocab_size: int = 10000     # from the dataset's meta.json (compact GPT-2 vocabulary)
-    n_layer: int = 8
-    n_head: int = 4
-    n_embd: int = 256
-    dropout: float = 0.0
-    bias: bool = True           # biases in Linear layers and LayerNorm β (GPT-2 style)
-    norm: str = 'rmsnorm'       # 'rmsnorm' | 'layernorm' (TaperLN, for GPT-2) | 'dyt' (the DyT baseline, taper='none')
-    taper: str = 'none'         # 'none' (baseline) | 'internal' (ln_1, ln_2) | 'all' (+ ln_f)
-    aux_weight: float = 0.0     # λ of L_aux (docs/method.md §4); 0 disables it
-    aux_form: str = 'absolute'  # 'absolute': the paper's L_aux | 'relative': (s/s_tgt − 1)², beyond the paper (aux_loss)
-    norm_eps: float = 1e-5      # ε, passed explicitly to every norm
-    activation: str = 'gelu'    # the MLP's GELU: 'gelu' (exact) | 'gelu_tanh' (GPT-2's gelu_new)
-    norm_removal: str = 'none'  # 'none' | 'fakeln': the FakeLN baseline (docs/method.md §7), taper='none'
-    folded: bool = False        # the tapered (or FakeLN) norms were folded into the next linear layers (fold.py)
-
-    def __post_init__(self):
-        if self.norm not in NORMS:
-            raise ValueError(f"norm={self.norm!r}: choose one of {NORMS}")
-        if self.taper not in TAPERS:
-            raise ValueError(f"taper={self.taper!r}: choose one of {TAPERS}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation={self.activation!r}: choose one of {ACTIVATIONS}")
-        if self.norm_removal not in NORM_REMOVALS:
-            raise ValueError(f"norm_removal={self.norm_removal!r}: choose one of {NORM_REMOVALS}")
-        if self.aux_form not in AUX_FORMS:
-            raise ValueError(f"aux_form={self.aux_form!r}: choose one of {AUX_FORMS}")
-        if self.norm == 'dyt' and (self.taper != 'none' or self.norm_removal != 'none'):
-            raise ValueError(f"norm='dyt' is a baseline of its own (every norm a DyT, none tapered or "
-                             f"removed): it needs taper='none' and norm_removal='none' (got "
-                             f"taper={self.taper!r}, norm_removal={self.norm_removal!r})")
-        if self.norm_removal != 'none' and self.taper != 'none':
-            raise ValueError(f"norm_removal={self.norm_removal!r} is a baseline of its own: it needs "
-                             f"taper='none' (got taper={self.taper!r})")
-        for key in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd'):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
-        if self.norm_eps < 0:
-            raise ValueError(f"norm_eps={self.norm_eps} must be >= 0")
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        if self.aux_weight < 0:
-            raise ValueError(f"aux_weight={self.aux_weight} must be >= 0")
-        if self.aux_weight > 0 and self.taper == 'none':
-            raise ValueError("aux_weight > 0 needs taper='internal' or 'all': the baseline's "
-                             "final norm already anchors the scale; set aux_weight=0")
-        if self.folded and self.taper == 'none' and self.norm_removal == 'none':
-            raise ValueError("folded=True needs taper='internal' or 'all' (or norm_removal='fakeln'): "
-                             "only tapered or removed norms fold")
-
-    def removable(self, final):
-        """True for a norm that becomes a fixed linear map (a TaperNorm or a FakeNorm), which fold.py
-        can merge into the next linear layer; final: ln_f rather than a block's ln_1 / ln_2."""
-        return (self.norm_removal == 'fakeln' or self.taper == 'all'
-                or (self.taper == 'internal' and not final))
-
-    def untied_head(self):
-        """True when ln_f was folded into the LM head, which then has its own weight (docs/method.md §5)."""
-        return self.folded and self.removable(final=True)
-
-
-@dataclass
-class ForwardMetrics:
-    """Detached scalars from the last forward with targets, kept in `GPT.last_metrics`.
-
-    ce:              cross-entropy, nats/token
-    aux:             L_aux with λ included (0 when inactive)
-    hidden_rms:      mean over tokens of s(h), h the residual stream before the final norm
-    logit_rms:       sqrt(mean z²) over all positions and vocabulary entries, fp32
-    final_scale_rms: RMS of c·γ̃ of the final norm, or None when the final norm does not taper
-    """
-    ce: torch.Tensor
-    aux: torch.Tensor
-    hidden_rms: torch.Tensor
-    logit_rms: torch.Tensor
-    final_scale_rms: Optional[torch.Tensor]
-
-
 def norm_input(h, kind):
     """The vector a norm of this kind scales: h (RMS kind) or P h = h − mean(h) (LN kind)."""
     return h - h.mean(-1, keepdim=True) if kind == 'layernorm' else h
@@ -292,6 +210,88 @@ class RadialCos(torch.autograd.Function):
     def backward(ctx, grad):
         h, = ctx.saved_tensors
         return grad, F.cosine_similarity(grad.float(), h.float(), dim=-1).mean()
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 512       # context length T
+    vocab_size: int = 10000     # from the dataset's meta.json (compact GPT-2 vocabulary)
+    n_layer: int = 8
+    n_head: int = 4
+    n_embd: int = 256
+    dropout: float = 0.0
+    bias: bool = True           # biases in Linear layers and LayerNorm β (GPT-2 style)
+    norm: str = 'rmsnorm'       # 'rmsnorm' | 'layernorm' (TaperLN, for GPT-2) | 'dyt' (the DyT baseline, taper='none')
+    taper: str = 'none'         # 'none' (baseline) | 'internal' (ln_1, ln_2) | 'all' (+ ln_f)
+    aux_weight: float = 0.0     # λ of L_aux (docs/method.md §4); 0 disables it
+    aux_form: str = 'absolute'  # 'absolute': the paper's L_aux | 'relative': (s/s_tgt − 1)², beyond the paper (aux_loss)
+    norm_eps: float = 1e-5      # ε, passed explicitly to every norm
+    activation: str = 'gelu'    # the MLP's GELU: 'gelu' (exact) | 'gelu_tanh' (GPT-2's gelu_new)
+    norm_removal: str = 'none'  # 'none' | 'fakeln': the FakeLN baseline (docs/method.md §7), taper='none'
+    folded: bool = False        # the tapered (or FakeLN) norms were folded into the next linear layers (fold.py)
+
+    def __post_init__(self):
+        if self.norm not in NORMS:
+            raise ValueError(f"norm={self.norm!r}: choose one of {NORMS}")
+        if self.taper not in TAPERS:
+            raise ValueError(f"taper={self.taper!r}: choose one of {TAPERS}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r}: choose one of {ACTIVATIONS}")
+        if self.norm_removal not in NORM_REMOVALS:
+            raise ValueError(f"norm_removal={self.norm_removal!r}: choose one of {NORM_REMOVALS}")
+        if self.aux_form not in AUX_FORMS:
+            raise ValueError(f"aux_form={self.aux_form!r}: choose one of {AUX_FORMS}")
+        if self.norm == 'dyt' and (self.taper != 'none' or self.norm_removal != 'none'):
+            raise ValueError(f"norm='dyt' is a baseline of its own (every norm a DyT, none tapered or "
+                             f"removed): it needs taper='none' and norm_removal='none' (got "
+                             f"taper={self.taper!r}, norm_removal={self.norm_removal!r})")
+        if self.norm_removal != 'none' and self.taper != 'none':
+            raise ValueError(f"norm_removal={self.norm_removal!r} is a baseline of its own: it needs "
+                             f"taper='none' (got taper={self.taper!r})")
+        for key in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd'):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+        if self.norm_eps < 0:
+            raise ValueError(f"norm_eps={self.norm_eps} must be >= 0")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.aux_weight < 0:
+            raise ValueError(f"aux_weight={self.aux_weight} must be >= 0")
+        if self.aux_weight > 0 and self.taper == 'none':
+            raise ValueError("aux_weight > 0 needs taper='internal' or 'all': the baseline's "
+                             "final norm already anchors the scale; set aux_weight=0")
+        if self.folded and self.taper == 'none' and self.norm_removal == 'none':
+            raise ValueError("folded=True needs taper='internal' or 'all' (or norm_removal='fakeln'): "
+                             "only tapered or removed norms fold")
+
+    def removable(self, final):
+        """True for a norm that becomes a fixed linear map (a TaperNorm or a FakeNorm), which fold.py
+        can merge into the next linear layer; final: ln_f rather than a block's ln_1 / ln_2."""
+        return (self.norm_removal == 'fakeln' or self.taper == 'all'
+                or (self.taper == 'internal' and not final))
+
+    def untied_head(self):
+        """True when ln_f was folded into the LM head, which then has its own weight (docs/method.md §5)."""
+        return self.folded and self.removable(final=True)
+
+
+@dataclass
+class ForwardMetrics:
+    """Detached scalars from the last forward with targets, kept in `GPT.last_metrics`.
+
+    ce:              cross-entropy, nats/token
+    aux:             L_aux with λ included (0 when inactive)
+    hidden_rms:      mean over tokens of s(h), h the residual stream before the final norm
+    logit_rms:       sqrt(mean z²) over all positions and vocabulary entries, fp32
+    final_scale_rms: RMS of c·γ̃ of the final norm, or None when the final norm does not taper
+    """
+    ce: torch.Tensor
+    aux: torch.Tensor
+    hidden_rms: torch.Tensor
+    logit_rms: torch.Tensor
+    final_scale_rms: Optional[torch.Tensor]
 
 
 def apply_norm(norm, x, gate, pos=None):
