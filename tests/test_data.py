@@ -613,3 +613,32 @@ def test_text_default_out_dir_is_the_repos_data_folder_from_another_cwd(tmp_path
         shutil.rmtree(out, ignore_errors=True)
     assert Path(common.DATA_DIR) == REPO / "data"
     assert Path(ts_prepare.OUT_DIR) == REPO / "data" / "tinystories"
+
+
+mix7_build = load_script("mix7_build", REPO / "data" / "mix7" / "build_corpora.py")
+
+
+def test_the_r_reader_of_the_austen_recipe_reads_a_character_vector_with_names():
+    # R's XDR serialization, written here by hand: version 2 header, then a character vector
+    # of three strings (UTF-8, Latin-1, NA) whose attributes (a pairlist) give it names
+    import struct
+    i = lambda *v: struct.pack(f">{len(v)}i", *v)
+    utf8, latin1 = 9 | (8 << 12), 9 | (4 << 12)
+    s = lambda flags, b: i(flags, len(b)) + b
+    names = i(16, 3) + s(utf8, b"a") + s(utf8, b"b") + s(utf8, b"c")
+    attributes = i(2 | 1024) + i(1) + s(utf8, b"names") + names + i(254)  # (tag 'names', value) then NULL
+    data = b"X\n" + i(2, 0x40000, 0x20300) + i(16 | 512, 3) + s(utf8, "Émma".encode()) + \
+        s(latin1, "Ä".encode("latin-1")) + i(9, -1) + attributes
+    assert mix7_build.r_unserialize(data) == {"a": "Émma", "b": "Ä", "c": None}
+    with pytest.raises(ValueError, match="not R's XDR"):
+        mix7_build.r_unserialize(b"RDX2\n")
+
+
+def test_the_corpus_recipe_offline_says_how_to_pass_local_files(monkeypatch):
+    def offline(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 100, "", "E: Failed to fetch http://deb.debian.org/... Temporary failure")
+    monkeypatch.setattr(mix7_build.subprocess, "run", offline)
+    with pytest.raises(SystemExit, match=r"cannot run apt-get update \(E: Failed to fetch .*\): offline\? pass "
+                                         r"existing files instead: python data/text/prepare.py --name=mix7 "
+                                         r"--input=DIR/austen.txt"):
+        mix7_build.run(["apt-get", "update"], "run apt-get update", download=True)
