@@ -14,7 +14,7 @@ next layer (fold.py and bench.py refuse a DyT checkpoint).
 import torch
 import torch.nn as nn
 
-from model import Norm, norm_input, norm_scale
+from model import FAKELN_EVENTS, Norm, norm_input, norm_scale
 
 # α₀ by position: the DyT paper's initialization for its language models (LLaMA-2 7B, its
 # narrowest LLM: 0.8 before attention, 0.2 before the MLP and at the final norm). The paper finds
@@ -50,12 +50,12 @@ class FakeNorm(Norm):
         after:           F(h) = (P h / s) ⊙ γ + β          s = `std`; at position 0, s0 = `std_first`
 
     s and s0 are the token means of σ(h) at positions ≥ 1 and at position 0 over the training
-    forwards since the previous removal, measured on the model's own activations (`GPT.remove_norms`).
+    forwards since the previous removal, measured on the model's own activations (`remove_norms`).
     F is a fixed linear map at every position ≥ 1, so it folds like a linear-phase TaperNorm with
     c = 1/s, γ̃ = γ, β̃ = β; at position 0 it is s/s0 times that map, which no weight matrix (the
     same at every position) holds: the last FakeLN event sets s0 = s (docs/method.md §7).
 
-    `removed` and `first_position` are Python attributes set by GPT._sync_fakeln (as TaperNorm.phase):
+    `removed` and `first_position` are Python attributes set by sync_fakeln (as TaperNorm.phase):
     a compiled model recompiles at a removal event, never per step. Buffers: std, std_first (scalars),
     window (Σ σ at positions ≥ 1, their count, Σ σ at position 0, its count, since the previous
     removal: identical on every rank), step_sums (the same for this optimizer step, this rank's,
@@ -91,3 +91,61 @@ class FakeNorm(Norm):
             s = torch.where(pos[:, None] == 0, self.std_first, self.std)  # (T, 1)
         y = norm_input(h, self.kind) / s * self.weight
         return y if self.bias is None else y + self.bias
+
+
+# ---- FakeLN's removal events on a GPT with norm_removal='fakeln' (docs/method.md §7) -------------
+
+def fakenorms(model, kind=None):
+    """(name, FakeNorm) pairs, e.g. ('h.0.ln_2', ...), in forward order; kind: 'ln_1', 'ln_2',
+    'ln_f' or None for all."""
+    from baselines import FakeNorm
+    return [(n.removeprefix('transformer.'), m) for n, m in model.named_modules()
+            if isinstance(m, FakeNorm) and kind in (None, n.rpartition('.')[2])]
+
+def sync_fakeln(model):
+    """Set every FakeNorm's code path from the model's buffer fakeln_stage (after loading a checkpoint too)."""
+    stage = int(model.fakeln_stage)
+    for name, m in fakenorms(model):
+        m.removed = FAKELN_EVENTS.index(name.rpartition('.')[2]) < stage
+        m.first_position = stage < len(FAKELN_EVENTS)
+
+@torch.no_grad()
+def fakeln_step(model):
+    """After every optimizer step: add the step's σ sums of every norm not yet removed,
+    all-reduced over ranks (so every rank holds the same window), to its window."""
+    live = [m for _, m in fakenorms(model) if not m.removed]
+    if live:
+        for m, total in zip(live, model.take_sums([m.step_sums for m in live])):
+            m.window += total
+
+@torch.no_grad()
+def remove_norms(model):
+    """FakeLN's next removal event (docs/method.md §7), FAKELN_EVENTS[fakeln_stage]:
+    'ln_2' / 'ln_1' / 'ln_f': in every block (or the final norm), s ← the mean σ(h) at positions
+      ≥ 1 and s0 ← the mean σ(h) at position 0 over the window since the previous event, and
+      the norm divides by them from now on;
+    'first_position': s0 ← s in every norm, so position 0 is no longer special and the model folds.
+    Every window restarts. Returns {'removed': what, 'std': {name: s}, 'std_first': {name: s0}}.
+    Raises RuntimeError after the last event, or when a norm measured nothing in its window.
+    """
+    stage = int(model.fakeln_stage)
+    if stage >= len(FAKELN_EVENTS):
+        raise RuntimeError("every FakeLN removal event has happened already")
+    what = FAKELN_EVENTS[stage]
+    norms = fakenorms(model, None if what == 'first_position' else what)
+    for name, m in norms:
+        if what == 'first_position':
+            m.std_first.copy_(m.std)
+            continue
+        total, n, first, n_first = m.window.tolist()
+        if n_first == 0:
+            raise RuntimeError(f"{name}: no training-mode forward measured σ(h) since the previous "
+                               "FakeLN event (call fakeln_step(model) after each optimizer step)")
+        m.std.fill_(total / n if n else first / n_first)  # a context of 1 has position 0 only
+        m.std_first.fill_(first / n_first)
+    for _, m in fakenorms(model):
+        m.window.zero_()
+    model.fakeln_stage += 1
+    sync_fakeln(model)
+    return {'removed': what, 'std': {n: m.std.item() for n, m in norms},
+            'std_first': {n: m.std_first.item() for n, m in norms}}

@@ -20,8 +20,9 @@ Everything the method adds lives here, each in one place:
 - `TaperScale`, `GPT.unfused`   g = 0 kept as one precomputed multiply         (docs/method.md §5)
 - `GPTConfig.folded`            a model whose tapered norms fold.py merged away (docs/method.md §5;
                                 the arithmetic is fold.py's `fold_state_dict`)
-- `GPT.remove_norms`            the FakeLN baseline's removal events; its norm, `FakeNorm`, and
-                                DyT live in baselines.py                       (docs/method.md §7)
+
+The norm-removal baselines (FakeLN's `FakeNorm` and removal events, DyT) are baselines.py's; a
+GPT builds their norms from its config (docs/method.md §7).
 
 Inference has one decode path, as in gpt-fast: a static, preallocated KV cache per layer
 (`KVCache`, `GPT.setup_caches`), `prefill` of the prompt, then `decode_one_token` steps
@@ -477,8 +478,9 @@ class GPT(nn.Module):
             self.register_buffer('step_hidden_rms', torch.zeros(()), persistent=False)
             self.register_buffer('step_micro', torch.zeros(()), persistent=False)
         if config.norm_removal == 'fakeln':  # FakeLN's removal events so far (docs/method.md §7)
+            from baselines import sync_fakeln
             self.register_buffer('fakeln_stage', torch.zeros((), dtype=torch.long))
-            self.register_load_state_dict_post_hook(lambda module, keys: module._sync_fakeln())
+            self.register_load_state_dict_post_hook(lambda module, keys: sync_fakeln(module))
         self.last_metrics = None
         self.collect = None  # see set_collect
         self.register_buffer('radial_sink', torch.zeros((), requires_grad=True), persistent=False)
@@ -558,7 +560,7 @@ class GPT(nn.Module):
             m.collect = mode
 
     @torch.no_grad()
-    def _take_sums(self, sums):
+    def take_sums(self, sums):
         """The collected sums, all-reduced over ranks under torch.distributed (one call, so every
         rank gets the same values from every rank's data), as a list shaped like `sums`; the
         sums are zeroed."""
@@ -581,7 +583,7 @@ class GPT(nn.Module):
         set_collect('calibration'). The step's statistics are the mean over its micro-batches
         and ranks. Raises RuntimeError if no collecting forward ran since the last call.
         """
-        *totals, n_micro = self._take_sums(self._calibration_sums())
+        *totals, n_micro = self.take_sums(self._calibration_sums())
         message = "calibration_step() without a forward under set_collect('calibration')"
         if n_micro.device.type == 'cpu':
             if n_micro.item() == 0:
@@ -611,7 +613,7 @@ class GPT(nn.Module):
             raise RuntimeError("the model is already calibrated; the calibrate event runs once")
         norms = self.tapernorms()
         if mode == 'end':
-            *totals, n_micro = self._take_sums(self._calibration_sums())
+            *totals, n_micro = self.take_sums(self._calibration_sums())
             if n_micro.item() == 0:
                 raise RuntimeError("calibrate('end') before any forward under set_collect('calibration')")
             stats = [t / n_micro for t in totals]  # N, D per layer, then mean s(h)
@@ -643,67 +645,10 @@ class GPT(nn.Module):
         starts from is from the normalizing branch it replaces (docs/method.md §3). The sums are reset.
         Raises RuntimeError if nothing was collected."""
         norms = self.tapernorms()
-        sums = self._take_sums([m.mismatch_sums for _, m in norms])
+        sums = self.take_sums([m.mismatch_sums for _, m in norms])
         if any(ref.item() == 0 for _, ref in sums):
             raise RuntimeError("branch_mismatch() before any forward under set_collect('mismatch')")
         return {name: (err / ref).sqrt().item() for (name, _), (err, ref) in zip(norms, sums)}
-
-    # ---- FakeLN: the norm-removal baseline (docs/method.md §7) -------------------------------
-
-    def fakenorms(self, kind=None):
-        """(name, FakeNorm) pairs, e.g. ('h.0.ln_2', ...), in forward order; kind: 'ln_1', 'ln_2',
-        'ln_f' or None for all."""
-        from baselines import FakeNorm
-        return [(n.removeprefix('transformer.'), m) for n, m in self.named_modules()
-                if isinstance(m, FakeNorm) and kind in (None, n.rpartition('.')[2])]
-
-    def _sync_fakeln(self):
-        """Set every FakeNorm's code path from the buffer fakeln_stage (after loading a checkpoint too)."""
-        stage = int(self.fakeln_stage)
-        for name, m in self.fakenorms():
-            m.removed = FAKELN_EVENTS.index(name.rpartition('.')[2]) < stage
-            m.first_position = stage < len(FAKELN_EVENTS)
-
-    @torch.no_grad()
-    def fakeln_step(self):
-        """After every optimizer step: add the step's σ sums of every norm not yet removed,
-        all-reduced over ranks (so every rank holds the same window), to its window."""
-        live = [m for _, m in self.fakenorms() if not m.removed]
-        if live:
-            for m, total in zip(live, self._take_sums([m.step_sums for m in live])):
-                m.window += total
-
-    @torch.no_grad()
-    def remove_norms(self):
-        """FakeLN's next removal event (docs/method.md §7), FAKELN_EVENTS[fakeln_stage]:
-        'ln_2' / 'ln_1' / 'ln_f': in every block (or the final norm), s ← the mean σ(h) at positions
-          ≥ 1 and s0 ← the mean σ(h) at position 0 over the window since the previous event, and
-          the norm divides by them from now on;
-        'first_position': s0 ← s in every norm, so position 0 is no longer special and the model folds.
-        Every window restarts. Returns {'removed': what, 'std': {name: s}, 'std_first': {name: s0}}.
-        Raises RuntimeError after the last event, or when a norm measured nothing in its window.
-        """
-        stage = int(self.fakeln_stage)
-        if stage >= len(FAKELN_EVENTS):
-            raise RuntimeError("every FakeLN removal event has happened already")
-        what = FAKELN_EVENTS[stage]
-        norms = self.fakenorms(None if what == 'first_position' else what)
-        for name, m in norms:
-            if what == 'first_position':
-                m.std_first.copy_(m.std)
-                continue
-            total, n, first, n_first = m.window.tolist()
-            if n_first == 0:
-                raise RuntimeError(f"{name}: no training-mode forward measured σ(h) since the previous "
-                                   "FakeLN event (call fakeln_step() after each optimizer step)")
-            m.std.fill_(total / n if n else first / n_first)  # a context of 1 has position 0 only
-            m.std_first.fill_(first / n_first)
-        for _, m in self.fakenorms():
-            m.window.zero_()
-        self.fakeln_stage += 1
-        self._sync_fakeln()
-        return {'removed': what, 'std': {n: m.std.item() for n, m in norms},
-                'std_first': {n: m.std_first.item() for n, m in norms}}
 
     # ---- forward ------------------------------------------------------------------------
 

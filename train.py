@@ -49,6 +49,7 @@ except ImportError:
     fcntl = None
 
 from configurator import ConfigError, check_compiler, configure, defaults_of, keys_set, parse_args, resolve_device
+from baselines import fakeln_step, remove_norms
 from gpt2 import GPT2_MODELS, PRETRAINED_SHAPE, PretrainedError, pretrained_args
 from model import FAKELN_EVENTS, GPT, GPTConfig, load_checkpoint, save_checkpoint
 
@@ -558,7 +559,7 @@ def fakeln_events(raw_model, it, cfg, env):
     """FakeLN (docs/method.md §7): the removal events due before iteration it, each logged as
     happening after the optimizer step of it − 1. A compiled model recompiles once per event."""
     while int(getattr(raw_model, 'fakeln_stage', 0)) < get_fakeln_stage(it, cfg.norm_removal, cfg.fakeln_interval):
-        log({'event': 'fakeln', 'iter': it - 1, **raw_model.remove_norms()}, cfg, env)
+        log({'event': 'fakeln', 'iter': it - 1, **remove_norms(raw_model)}, cfg, env)
 
 
 def build_model(cfg, model_args, ckpt):
@@ -733,7 +734,7 @@ def main(argv):
             if phase == 'warmup' and cfg.calibration == 'ema':
                 raw_model.calibration_step()
             if cfg.norm_removal == 'fakeln':
-                raw_model.fakeln_step()  # σ(h) of the norms not yet removed, into their windows
+                fakeln_step(raw_model)  # σ(h) of the norms not yet removed, into their windows
             logged = it % cfg.log_interval == 0 or bool(record)
             if logged and env.device_type == 'cuda':
                 torch.cuda.synchronize()  # on logged steps only: step_ms then includes the optimizer step

@@ -25,7 +25,7 @@ import sample
 import train
 from test_data import load_script
 from test_train import interrupt_at, linear_phase_model, read_log
-from baselines import FakeNorm
+from baselines import FakeNorm, fakeln_step, fakenorms, remove_norms
 from gpt2 import PretrainedError, export_gpt2 as export, pretrained_args
 from model import FAKELN_EVENTS, GPT, GPTConfig, TaperNorm
 
@@ -238,8 +238,8 @@ def fakeln_model(events, kind='layernorm', seed=0, steps_per_event=2):
         for _ in range(steps_per_event):
             x = torch.randint(0, 64, (4, 16), generator=gen)
             model(x, x)
-            model.fakeln_step()
-        model.remove_norms()
+            fakeln_step(model)
+        remove_norms(model)
     return model.eval()
 
 
@@ -350,8 +350,8 @@ def test_init_from_must_be_a_known_name_or_a_folder():
 
 def capture_inputs(model):
     """{norm name: [input h of every forward]} through forward pre-hooks."""
-    seen = {name: [] for name, _ in model.fakenorms()}
-    for name, m in model.fakenorms():
+    seen = {name: [] for name, _ in fakenorms(model)}
+    for name, m in fakenorms(model):
         m.register_forward_pre_hook(lambda mod, args, name=name: seen[name].append(args[0].detach().clone()))
     return seen
 
@@ -378,7 +378,7 @@ def test_fakeln_freezes_the_mean_std_of_its_window_and_divides_by_it():
                 model(x, x)[1].backward()
             opt.step()
             opt.zero_grad()
-            model.fakeln_step()
+            fakeln_step(model)
         model.eval()
         with torch.no_grad():  # evaluation forwards measure nothing
             model(x, x)
@@ -386,7 +386,7 @@ def test_fakeln_freezes_the_mean_std_of_its_window_and_divides_by_it():
     steps(3)
     for hs in seen.values():
         del hs[-1]  # the evaluation forward
-    event = model.remove_norms()
+    event = remove_norms(model)
     assert event['removed'] == 'ln_2' and set(event['std']) == {'h.0.ln_2', 'h.1.ln_2'}
     for name in ('h.0.ln_2', 'h.1.ln_2'):
         sigma = plain_sigma(torch.cat(seen[name]).double())
@@ -407,17 +407,17 @@ def test_fakeln_freezes_the_mean_std_of_its_window_and_divides_by_it():
     steps(2)
     for hs in seen.values():
         del hs[-1]
-    event = model.remove_norms()
+    event = remove_norms(model)
     sigma = plain_sigma(torch.cat(seen['h.0.ln_1']).double())
     assert event['removed'] == 'ln_1'
     assert event['std']['h.0.ln_1'] == pytest.approx(sigma[:, 1:].mean().item(), rel=1e-5)
     steps(1)
-    assert model.remove_norms()['removed'] == 'ln_f'
-    event = model.remove_norms()
+    assert remove_norms(model)['removed'] == 'ln_f'
+    event = remove_norms(model)
     assert event['removed'] == 'first_position' and event['std_first'] == event['std']
     assert not m.first_position
     with pytest.raises(RuntimeError, match='every FakeLN removal event has happened'):
-        model.remove_norms()
+        remove_norms(model)
 
 
 def test_fakeln_rms_kind_divides_h_itself():
@@ -442,12 +442,12 @@ def test_a_compiled_fakeln_model_recompiles_once_per_removal_never_per_step():
     model.train()
     for it in range(12):  # fakeln_interval = 2: events before iterations 2, 4, 6, 8
         while int(model.fakeln_stage) < train.get_fakeln_stage(it, 'fakeln', 2):
-            model.remove_norms()
+            remove_norms(model)
         _, loss = compiled(x, x)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        model.fakeln_step()
+        fakeln_step(model)
         frames.append(counter.frame_count)
     assert frames == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 5, 5]
     torch._dynamo.reset()
@@ -498,7 +498,7 @@ def test_a_fakeln_run_logs_its_events_folds_and_resumes_exactly(toy_data, tmp_pa
     ckpt = torch.load(straight / 'ckpt.pt', weights_only=True)
     assert ckpt['model']['fakeln_stage'].item() == 4 and 'transformer.ln_f.std' in ckpt['model']
     loaded, _ = GPT.from_checkpoint(str(straight / 'ckpt.pt'))
-    assert all(m.removed and not m.first_position for _, m in loaded.fakenorms())
+    assert all(m.removed and not m.first_position for _, m in fakenorms(loaded))
     assert torch.equal(loaded.transformer.ln_f.std, model.transformer.ln_f.std)
 
     # interrupted at step 10 (last checkpoint: 8, inside ln_f's window), resumed: the same run
