@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+import runs
 import train
 import configurator
 from model import GPT, GPTConfig, save_checkpoint
@@ -85,8 +86,8 @@ def test_config_files_compose_and_overrides_win():
     cpu = [load_config([f'config/tinystories_{n}.py', 'config/cpu.py']) for n in names]
     assert len({c.out_dir for c in full}) == len({c.out_dir for c in cpu}) == 4
     ignore = {'taper', 'aux_weight', 'out_dir'}
-    for runs in (full, cpu):  # the four runs differ only in taper and aux_weight
-        assert len({tuple(sorted((k, v) for k, v in vars(c).items() if k not in ignore)) for c in runs}) == 1
+    for group in (full, cpu):  # the four runs differ only in taper and aux_weight
+        assert len({tuple(sorted((k, v) for k, v in vars(c).items() if k not in ignore)) for c in group}) == 1
     assert load_config(['--compile=True']).compile is True
     assert load_config(['--compile=False']).compile is False
     assert load_config(['--learning_rate=1']).learning_rate == 1.0  # int where a float is due
@@ -468,5 +469,5 @@ def test_a_compiled_run_compiles_each_version_of_the_forward_once_and_stays_comp
     monkeypatch.setattr(train, 'check_compiler', lambda device: None)  # its probe would count too
     train.main(toy_args(toy_data, tmp_path / 'run', compile=True, dropout=0.0, **variant))
     assert counter.frame_count == expected
-    assert expected <= train.RECOMPILE_LIMIT
+    assert expected <= runs.RECOMPILE_LIMIT
     torch._dynamo.reset()

@@ -1,0 +1,228 @@
+"""
+The mechanics around one train.py run, kept apart so that train.py shows the method: the
+dataset's checks, processes and devices (DDP, autocast, torch.compile), the run folder (one run
+per out_dir, its lock, the log on resume), stopping on a signal, and the log itself. The run
+mechanics, from a user's side, are in docs/runs.md.
+"""
+
+import json
+import os
+import signal
+import threading
+import warnings
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+try:
+    import fcntl  # the out_dir lock; Unix only
+except ImportError:
+    fcntl = None
+
+from configurator import resolve_device
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+
+
+# ---- the dataset ----------------------------------------------------------------------------
+
+def prepare_command(dataset):
+    """The command that prepares `dataset`, for error messages."""
+    name, ext = os.path.splitext(os.path.basename(dataset))
+    if ext:  # --dataset=austen.txt: a file where a dataset name belongs
+        return (f"python data/text/prepare.py --name={name} --input={dataset}   "
+                f"(then --dataset={name}: --dataset names a prepared folder, not a text file)")
+    if dataset == 'tinystories':
+        return 'python data/tinystories/prepare.py'
+    if dataset in ('openwebtext', 'pile'):  # streamed from the Hugging Face hub, full GPT-2 vocabulary
+        return (f'python data/{dataset}/prepare.py   (offline: python data/{dataset}/prepare.py '
+                f'--input=PATH/TO/{dataset}.jsonl)')
+    from data.text.prepare import PUBLIC_CORPORA  # names prepare.py can download
+    local = f'python data/text/prepare.py --name={dataset} --input=PATH/TO/{dataset}.txt'
+    return f'python data/text/prepare.py --name={dataset}   (offline: {local})' if dataset in PUBLIC_CORPORA else local
+
+
+def find_dataset(cfg, may_prepare):
+    """Return (dataset folder, meta dict) after check_dataset; prepare TinyStories when it is
+    missing. A relative data_dir is relative to the repository (where prepare.py writes), not
+    to the working folder. SystemExit with the exact prepare command when the data is missing.
+    """
+    folder = os.path.join(REPO, cfg.data_dir, cfg.dataset)
+    if not os.path.exists(os.path.join(folder, 'train.bin')) and cfg.dataset == 'tinystories' and may_prepare:
+        from data.tinystories import prepare as tinystories  # downloads; offline it says how to pass files
+        print(f"{folder}/train.bin not found: preparing TinyStories first")
+        tinystories.main([f'--out_dir={folder}'])
+    for name in ('train.bin', 'val.bin', 'meta.json'):
+        if not os.path.exists(os.path.join(folder, name)):
+            raise SystemExit(f"{os.path.join(folder, name)} not found. Prepare the dataset first:\n"
+                             f"    {prepare_command(cfg.dataset)}")
+    meta = check_dataset(folder, cfg.block_size, prepare_command(cfg.dataset))
+    if cfg.init_from not in ('scratch', 'resume') and meta.get('unk_id') is not None:
+        raise SystemExit(f"init_from={cfg.init_from} reads GPT-2's own token ids, but {folder} holds a compact "
+                         f"vocabulary of {meta['vocab_size']} ids: prepare it with the full GPT-2 vocabulary "
+                         "(--vocab_size=0; data/openwebtext and data/pile always use it)")
+    return folder, meta
+
+
+def check_dataset(folder, block_size, fix):
+    """meta.json of a dataset folder after checking it and both .bin files: readable JSON with
+    an integer vocab_size, a whole number of uint16 tokens, more than block_size + 1 of them,
+    every id below vocab_size. SystemExit naming the file and the fix otherwise."""
+    path = os.path.join(folder, 'meta.json')
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+        vocab_size = meta['vocab_size']
+        assert isinstance(vocab_size, int) and vocab_size > 0
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        raise SystemExit(f"{path} is not a readable dataset description (JSON with vocab_size); "
+                         f"prepare the dataset again: {fix}") from None
+    for split in ('train', 'val'):
+        path = os.path.join(folder, f'{split}.bin')
+        size = os.path.getsize(path)
+        if size % 2:
+            raise SystemExit(f"{path} holds {size} bytes, not a whole number of uint16 tokens (truncated?); "
+                             f"prepare the dataset again: {fix}")
+        if size // 2 <= block_size + 1:
+            raise SystemExit(f"{path} has {size // 2} tokens, not more than block_size + 1 = {block_size + 1}; "
+                             f"use a smaller --block_size or more data")
+        data = np.memmap(path, dtype=np.uint16, mode='r')
+        top = max(int(data[i:i + (1 << 24)].max()) for i in range(0, len(data), 1 << 24))
+        if top >= vocab_size:
+            raise SystemExit(f"{path} holds token id {top}, outside meta.json's vocab_size {vocab_size} "
+                             f"(files from two preparations?); prepare the dataset again: {fix}")
+    return meta
+
+
+# ---- processes and devices ------------------------------------------------------------------
+
+def setup(cfg):
+    """Devices, DDP (when launched by torchrun) and autocast: a SimpleNamespace with dev,
+    device_type, ddp, rank, local_rank, world, master, autocast, compile."""
+    ddp = int(os.environ.get('RANK', -1)) != -1
+    dev, dt = resolve_device(cfg.device, cfg.dtype)
+    rank, local_rank, world = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
+    if ddp:
+        if dev.startswith('cuda'):
+            dev = f'cuda:{local_rank}'
+            torch.cuda.set_device(dev)
+        be = ('nccl' if dev.startswith('cuda') else 'gloo') if cfg.backend == 'auto' else cfg.backend
+        torch.distributed.init_process_group(backend=be)
+    device_type = torch.device(dev).type
+    if device_type == 'cuda':
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    autocast = nullcontext() if dt == 'float32' else torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+    return SimpleNamespace(dev=dev, dtype=dt, device_type=device_type, ddp=ddp, rank=rank, local_rank=local_rank,
+                           world=world, master=rank == 0, autocast=autocast,
+                           compile=device_type == 'cuda' if cfg.compile == 'auto' else cfg.compile)
+
+
+# versions of GPT.forward one run compiles: a tapered run 8 (training and evaluation in each of
+# three phases, plus the calibrate event's two collect modes), FakeLN 10 (five stages, each in
+# training and evaluation mode). dynamo's default limit is 8; past it a function silently runs
+# uncompiled, so the limit gets room to spare.
+RECOMPILE_LIMIT = 32
+
+
+def compile_model(model):
+    """torch.compile(model), with dynamo's recompile limit raised to RECOMPILE_LIMIT (never lowered)."""
+    import torch._dynamo.config as dynamo_config
+    name = 'recompile_limit' if hasattr(dynamo_config, 'recompile_limit') else 'cache_size_limit'  # torch < 2.6
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), RECOMPILE_LIMIT))
+    return torch.compile(model)
+
+
+def wrap_ddp(model, env):
+    """model under DDP when launched by torchrun, else model itself. broadcast_buffers=False:
+    the calibration statistics are each rank's own until the model all-reduces them."""
+    if not env.ddp:
+        return model
+    with warnings.catch_warnings():
+        # torch >= 2.13 deprecates broadcast_buffers for forward_sync_buffers, which still syncs the
+        # buffers when DDP wraps the model; this runs at every phase change, after calibration,
+        # where the buffers are the model's own sums: keep broadcast_buffers=False, without the warning
+        warnings.filterwarnings('ignore', message='`broadcast_buffers` is deprecated', category=FutureWarning)
+        return torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[env.local_rank] if env.device_type == 'cuda' else None, broadcast_buffers=False)
+
+
+# ---- the run folder, signals, the log ---------------------------------------------------------
+
+def claim_out_dir(cfg, iter_num):
+    """Make out_dir this process's run before anything is written to it. Returns the open lock
+    file (keep it open: the lock lasts as long as this process, so a run killed with kill -9
+    leaves nothing that blocks its resume). SystemExit when another train.py holds out_dir, or
+    a scratch run meets a used out_dir without --overwrite=True. On resume the log keeps only
+    the records before iter_num, so it reads as one uninterrupted run."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    lock = open(os.path.join(cfg.out_dir, '.lock'), 'a')
+    if fcntl is not None:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SystemExit(f"{cfg.out_dir} is in use by another train.py run; wait for it to end "
+                             "or choose another --out_dir") from None
+    log_path = os.path.join(cfg.out_dir, 'log.jsonl')
+    used = [p for p in (os.path.join(cfg.out_dir, 'ckpt.pt'), log_path) if os.path.exists(p)]
+    if cfg.init_from == 'scratch' and used:
+        if not cfg.overwrite:
+            raise SystemExit(f"{cfg.out_dir} already holds a run ({', '.join(map(os.path.basename, used))}): "
+                             f"continue it with --init_from=resume, choose another --out_dir, or replace "
+                             f"it with --overwrite=True")
+        for path in used:
+            os.remove(path)
+    if cfg.init_from == 'resume' and os.path.exists(log_path):
+        with open(log_path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)['iter'] < iter_num]
+        with open(log_path + '.tmp', 'w') as f:
+            f.writelines(kept)
+        os.replace(log_path + '.tmp', log_path)
+    return lock
+
+
+class StopSignal:
+    """A context in which SIGINT / SIGTERM (Ctrl-C, `timeout`, a batch scheduler) ask the loop to
+    stop after the step in progress (`received`); a second one stops at once."""
+
+    def __enter__(self):
+        self.received, self.previous = None, {}
+        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+            self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def handle(self, signum, frame):
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def log(record, cfg, env):
+    """Append one record to out_dir/log.jsonl (rank 0) and print the step records."""
+    if not env.master:
+        return
+    with open(os.path.join(cfg.out_dir, 'log.jsonl'), 'a') as f:
+        f.write(json.dumps(record) + '\n')
+    r = record
+    if r.get('event') == 'fakeln':
+        stds = list(r['std'].values())
+        print(f"fakeln after iter {r['iter']}: removed {r['removed']}, fixed std in [{min(stds):.4f}, "
+              f"{max(stds):.4f}]{'' if r['removed'] == 'first_position' else ' (position 0: its own)'}")
+    elif r.get('event') == 'calibrate':
+        cs, mm = list(r['c'].values()), list(r['mismatch'].values())
+        print(f"calibrate ({cfg.calibration}) after iter {r['iter']}: c in [{min(cs):.4f}, {max(cs):.4f}], "
+              f"s_tgt {r['s_tgt']:.4f}, branch mismatch ‖L−N‖/‖N‖ in [{min(mm):.3f}, {max(mm):.3f}]")
+    elif 'loss' in r:
+        val = f" | val {r['val_loss']:.4f}" if 'val_loss' in r else ''
+        print(f"iter {r['iter']:6d} {r['phase']:>8s} g={r['gate']:.4f} | loss {r['loss']:.4f} (ce {r['ce']:.4f} "
+              f"aux {r['aux']:.2e}) | hidden_rms {r['hidden_rms']:.3f} logit_rms {r['logit_rms']:.3f} | "
+              f"lr {r['lr']:.2e} | {r['step_ms']:.0f} ms {r['tokens_per_s']:,.0f} tok/s{val}")
+    elif 'final_val_loss' in r:
+        print(f"final_val_loss {r['final_val_loss']:.4f} (whole val split, non-overlapping windows of "
+              f"{cfg.block_size}), final_train_loss {r['final_train_loss']:.4f} (as many train windows)")
