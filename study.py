@@ -357,8 +357,10 @@ def cell_config(args):
     """A cell's whole train.py configuration as a dict: train.py's defaults, then the cell's
     config files (relative to the repository) and overrides, resolved as train.py resolves them."""
     import train  # its run is behind `if __name__ == '__main__'`; importing it only reads its keys
-    return parse_args([a if a.startswith('--') else os.path.join(ROOT, a) for a in args],
-                      defaults_of(vars(train)), train.CHOICES)
+    cfg = parse_args([a if a.startswith('--') else os.path.join(ROOT, a) for a in args],
+                     defaults_of(vars(train)), train.CHOICES)
+    train.scale_schedule(cfg)  # the step counts the run will have
+    return cfg
 
 
 def lr_table(cells, args):

@@ -88,6 +88,7 @@ beta2 = 0.95
 grad_clip = 1.0             # 0 disables clipping (the norm is still logged)
 # TaperNorm schedule
 max_iters = 5000            # optimizer steps
+schedule_scale = 1.0        # multiplies every step count (max_iters, lr_decay_iters, warmup_iters, gate_warmup_iters, taper_iters, eval_interval, fakeln_interval) when the configuration is read: the run stores and prints the scaled counts, with schedule_scale = 1.0
 gate_warmup_iters = 500     # W
 taper_iters = 2500          # T
 calibration = 'end'         # how c and s_tgt are measured: 'end' (on the model at the calibrate event) | 'ema' (the paper's EMA over the warmup)
@@ -110,9 +111,29 @@ MODEL_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout', 'n
 SHAPE_KEYS = tuple(k for k in MODEL_KEYS if k in PRETRAINED_SHAPE or k == 'block_size')  # init_from=gpt2 sets them
 
 
+# the step counts schedule_scale multiplies: the run's length and its schedule, in proportion
+SCALED_KEYS = ('max_iters', 'lr_decay_iters', 'warmup_iters', 'gate_warmup_iters', 'taper_iters', 'eval_interval',
+               'fakeln_interval')
+
+
+def scale_schedule(cfg):
+    """Resolve schedule_scale in the dict cfg, in place: each of SCALED_KEYS times it, rounded
+    (at least 1, warmup_iters excepted), then schedule_scale = 1.0, so the resolved configuration
+    (the one a checkpoint stores and a resume compares with) holds the real step counts.
+    Raises ConfigError for schedule_scale <= 0."""
+    scale = cfg['schedule_scale']
+    if not scale > 0:
+        raise ConfigError(f"schedule_scale={scale} must be > 0 (0.1: a tenth of every step count)")
+    if scale != 1:
+        for key in SCALED_KEYS:
+            cfg[key] = round(cfg[key] * scale) if key == 'warmup_iters' else max(1, round(cfg[key] * scale))
+        cfg['schedule_scale'] = 1.0
+
+
 def validate(cfg):
-    """Raise ConfigError for values the schedule or training cannot run with (docs/method.md §2);
-    the model's own keys are GPTConfig's to check."""
+    """Resolve schedule_scale (scale_schedule), then raise ConfigError for values the schedule or
+    training cannot run with (docs/method.md §2); the model's own keys are GPTConfig's to check."""
+    scale_schedule(cfg)
     try:
         GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})
     except ValueError as e:

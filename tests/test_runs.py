@@ -192,11 +192,34 @@ def test_misleading_inputs_get_the_message_the_user_needs(args, message):
 
 def test_the_smoke_overlay_crosses_every_phase_and_no_example_keeps_a_longer_schedule():
     for base in ('baseline', 'internal_taper', 'all_taper', 'all_taper_noaux'):
-        for overlay in ('cpu', 'smoke'):
-            cfg = train.load_config([f'config/tinystories_{base}.py', f'config/{overlay}.py'])
+        for overlays in (['cpu'], ['smoke'], ['cpu', 'smoke']):
+            cfg = train.load_config([f'config/tinystories_{base}.py'] + [f'config/{o}.py' for o in overlays])
             assert cfg.lr_decay_iters == cfg.max_iters
+            if overlays[-1] == 'smoke':
+                assert cfg.max_iters == 150 and cfg.schedule_scale == 1.0  # resolved: the real step counts
             if cfg.taper != 'none':
                 assert cfg.gate_warmup_iters + cfg.taper_iters < cfg.max_iters  # a linear phase too
+
+
+def test_schedule_scale_scales_every_step_count_once_and_a_resume_keeps_them(toy_data, tmp_path):
+    # config/cpu.py: 1500 steps, LR warmup 150, W 150, T 750, evaluations every 250; worked by hand at 0.1
+    cfg = train.load_config(['config/tinystories_internal_taper.py', 'config/cpu.py', '--schedule_scale=0.1'])
+    assert (cfg.max_iters, cfg.lr_decay_iters, cfg.warmup_iters, cfg.gate_warmup_iters, cfg.taper_iters,
+            cfg.eval_interval, cfg.schedule_scale) == (150, 150, 15, 15, 75, 25, 1.0)
+    import study  # the study's view of a cell is the resolved one too
+    assert study.cell_config(['config/cpu.py', '--schedule_scale=2'])['max_iters'] == 3000
+    with pytest.raises(SystemExit, match=r'schedule_scale=0.0 must be > 0'):
+        train.load_config(['--schedule_scale=0'])
+    # the toy run at half its schedule (16 -> 8 steps, W 4 -> 2, T 6 -> 3): stored resolved, so a
+    # resume does not scale it a second time
+    out = tmp_path / 'half'
+    train.main(toy_args(toy_data, out, schedule_scale=0.5))
+    stored = load_checkpoint(str(out / 'ckpt.pt'))['config']
+    assert (stored['max_iters'], stored['gate_warmup_iters'], stored['taper_iters'], stored['schedule_scale']) == \
+        (8, 2, 3, 1.0)
+    assert max(r['iter'] for r in read_log(out) if 'loss' in r) == 7
+    train.main([f'--out_dir={out}', '--init_from=resume'])
+    assert load_checkpoint(str(out / 'ckpt.pt'))['config']['max_iters'] == 8
 
 
 def test_a_checkpoint_from_before_the_calibration_key_loads_and_resumes_as_ema(toy_data, tmp_path):
