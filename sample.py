@@ -2,7 +2,7 @@
 Sample from a trained (or folded) checkpoint with the static KV cache.
 
     python sample.py --ckpt=out-cpu-austen-internal-aux0.1/ckpt.pt --start="It was"
-    python sample.py --ckpt=internal-folded.pt --start=FILE:prompt.txt --num_samples=3 --temperature=0
+    python sample.py --ckpt=internal-folded.pt --start=FILE:prompt.txt --num_samples=3 --temperature=0.5
 
 Text goes through the dataset's compact vocabulary (meta.json, stored in the checkpoint):
 GPT-2 BPE ids outside it become <unk> (a warning says when more than UNK_WARN of the prompt
@@ -89,8 +89,12 @@ def main(argv):
         raise SystemExit(f"a prompt of {len(prompt)} tokens + {new} new tokens exceeds the checkpoint's "
                          f"context of {block_size}: use --max_new_tokens={room} or less, or a shorter prompt")
     idx = torch.tensor([prompt], dtype=torch.long, device=dev)
-    samples = []
-    for _ in range(cfg.num_samples):
+    samples, n = [], cfg.num_samples
+    if cfg.temperature == 0 and n > 1:  # greedy decoding has one continuation
+        print(f"temperature=0 is greedy: its {n} samples would be identical, so it prints one "
+              "(a temperature above 0 gives different ones)", file=sys.stderr)
+        n = 1
+    for _ in range(n):
         out = model.generate(idx, new, temperature=cfg.temperature, top_k=cfg.top_k or None)  # top_k 0: all
         samples.append(decode(out[0].tolist(), meta))
         print(samples[-1])

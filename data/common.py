@@ -313,7 +313,13 @@ def write_dataset(out_dir, splits, vocab_size, sources, skipped_empty_docs=0):
         if sum(end - start for _, start, end in splits[split]) == 0:
             raise SystemExit(f"the {split} split is empty: the inputs hold no text for it "
                              "(check that the input files are not empty)")
-    gpt2_ids = build_vocab(count_tokens(splits["train"]), vocab_size)
+    counts = count_tokens(splits["train"])
+    distinct = int(np.count_nonzero(counts))
+    if vocab_size and distinct < vocab_size - 1:  # the rest would be ids training never sees
+        print(f"warning: the training split holds {distinct:,} distinct GPT-2 tokens, fewer than the "
+              f"{vocab_size - 1:,} a vocabulary of {vocab_size:,} keeps: {vocab_size - 1 - distinct:,} ids "
+              f"would never be trained; --vocab_size={distinct + 1} fits this corpus")
+    gpt2_ids = build_vocab(counts, vocab_size)
     unk_id = None if vocab_size == 0 else vocab_size - 1
     lut = lookup_table(gpt2_ids, unk_id)
     meta_path = os.path.join(out_dir, "meta.json")

@@ -642,3 +642,16 @@ def test_the_corpus_recipe_offline_says_how_to_pass_local_files(monkeypatch):
                                          r"existing files instead: python data/text/prepare.py --name=mix7 "
                                          r"--input=DIR/austen.txt"):
         mix7_build.run(["apt-get", "update"], "run apt-get update", download=True)
+
+
+def test_a_vocabulary_larger_than_the_corpus_holds_is_warned_about(tmp_path, capsys):
+    f = tmp_path / "tiny.txt"
+    f.write_text("the cat sat on the mat\n" * 30 + "and then it ran away\n" * 3)
+    text_prepare.main([f"--input={f}", "--vocab_size=10000", f"--out_dir={tmp_path / 'a'}"])
+    train = read_bin(tmp_path / "a" / "train.bin")
+    distinct = len(set(train.tolist()))  # compact ids: one per distinct GPT-2 token, end-of-text included
+    out = capsys.readouterr().out
+    assert f"holds {distinct:,} distinct GPT-2 tokens, fewer than the 9,999" in out
+    assert f"--vocab_size={distinct + 1} fits this corpus" in out
+    text_prepare.main([f"--input={f}", f"--vocab_size={distinct + 1}", f"--out_dir={tmp_path / 'b'}"])
+    assert "warning" not in capsys.readouterr().out

@@ -358,6 +358,8 @@ def test_fold_and_sample_scripts_end_to_end(trained, tmp_path, capsys):
     raw = sample.main([f'--ckpt={trained}'] + args)
     folded = sample.main([f'--ckpt={out}'] + args)
     assert raw == folded and raw[0].startswith('the cat') and len(raw[0]) > len('the cat')
+    assert len(raw) == 1  # greedy: one continuation, said once, not two identical ones
+    assert capsys.readouterr().err.count('temperature=0 is greedy: its 2 samples would be identical') == 2
     prompt = tmp_path / 'prompt.txt'
     prompt.write_text('the mat')
     text = sample.main([f'--ckpt={out}', f'--start=FILE:{prompt}', '--num_samples=1', '--temperature=0.8',
