@@ -132,8 +132,10 @@ def build_variants(arch, seed):
 
 def checkpoint_variants(cfg):
     """For --ckpt: ({'ckpt_baseline': random weights of the checkpoint's shape, 'ckpt:FILE': the
-    checkpoint}, {name: model} and [(name, 'ckpt:FILE')] of its TaperNorm form for the gate, one
-    line about it). A raw linear-phase checkpoint is timed unfused (each tapered norm one multiply)."""
+    checkpoint}, {name: model} and [(name, timed name)] of its TaperNorm form for the gate, one
+    line about it, the checkpoint's architecture (SHAPE), which the built-in variants take too).
+    A raw linear-phase checkpoint is timed unfused (each tapered norm one multiply), named
+    'ckpt:FILE unfused', and gated against 'ckpt:FILE as trained' (its TaperNorm layers at g = 0)."""
     model, _ = GPT.from_checkpoint(cfg.ckpt, 'cpu')
     c, name, raw = model.config, f'ckpt:{os.path.basename(cfg.ckpt)}', {}
     if c.norm == 'dyt':
@@ -144,14 +146,16 @@ def checkpoint_variants(cfg):
         raise SystemExit(f"the checkpoint's context is {c.block_size} tokens: lower --prompt_len and --new_tokens "
                          f"(e.g. --prompt_len={c.block_size // 4} --new_tokens={c.block_size // 2})")
     if model.phase == 'linear' and not c.folded:
-        raw[f'{name} (TaperNorm)'] = copy.deepcopy(model)
+        raw[f'{name} as trained'] = copy.deepcopy(model)  # its TaperNorm layers at g = 0: the gate's reference
         model.unfused()
+        name += ' unfused'
         about += " (timed unfused)"
     elif model.phase in ('warmup', 'taper'):
         about += " (not an inference artifact: the normalizing branch still runs; fold a finished run)"
     torch.manual_seed(cfg.seed)
     shape = {k: getattr(c, k) for k in SHAPE + ('bias', 'norm', 'norm_eps', 'activation')}  # GPT-2: gelu_tanh
-    return {'ckpt_baseline': GPT(GPTConfig(**shape)).eval(), name: model}, raw, [(r, name) for r in raw], about
+    return ({'ckpt_baseline': GPT(GPTConfig(**shape)).eval(), name: model}, raw, [(r, name) for r in raw], about,
+            {k: shape[k] for k in SHAPE})
 
 
 # ---- timing ----------------------------------------------------------------------------
@@ -334,14 +338,15 @@ def main(argv):
         torch.cuda.set_device(dev)  # sync and memory statistics then refer to this device
     flags = {'both': [False, True], 'eager': [False], 'compiled': [True]}[cfg.compile]
     B, P, N = cfg.batch_size, cfg.prompt_len, cfg.new_tokens
-    extra, raw, pairs, about = checkpoint_variants(cfg) if cfg.ckpt else ({}, {}, [], '')
+    extra, raw, pairs, about, ckpt_arch = checkpoint_variants(cfg) if cfg.ckpt else ({}, {}, [], '', arch)
+    arch = ckpt_arch  # with --ckpt, every variant takes the checkpoint's shape, whatever --size says
     models, all_taper = build_variants(arch, cfg.seed)
     reference = {**dict.fromkeys(models, 'baseline'), **dict.fromkeys(extra, 'ckpt_baseline')}
     models.update(extra)
     gated = {**models, 'all_taper': all_taper, **raw}  # fp32, for the correctness gate
     pairs = [('internal_unfused', 'internal_folded'), ('all_taper', 'all_folded')] + pairs
 
-    print(f"bench: {cfg.size or 'custom'} {arch} | {', '.join(models)}")
+    print(f"bench: {'the checkpoint' if cfg.ckpt else cfg.size or 'custom'}'s shape {arch} | {', '.join(models)}")
     print(f"  device={dev} dtype={dt} torch={torch.__version__} threads={torch.get_num_threads()} | "
           f"mode=decode batch_size={B} prompt_len={P} new_tokens={N} | trials={cfg.trials} (+2 warm-up) | "
           f"{' and '.join('compiled' if f else 'eager' for f in flags)}")

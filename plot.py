@@ -58,10 +58,15 @@ def main(argv):
     panels = [('ce', 'cross-entropy (train, smoothed; dots: validation)'), ('hidden_rms', 's(h) before the final norm'),
               ('logit_rms', 'logit RMS'), ('radial_cos', 'cos(∂CE/∂h, h) at the pre-logit state')]
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), sharex=True)
-    gate_drawn = False
+    runs = [read_run(d, cfg.max_iter) for d in dirs]
+    # one gate curve per distinct schedule (W, T), in the colour of the first run that has it
+    gates = {}
+    for i, (steps, calib) in enumerate(runs):
+        if calib is not None and any(r['phase'] == 'taper' for r in steps):
+            linear = min((r['iter'] for r in steps if r['phase'] == 'linear'), default=None)
+            gates.setdefault((calib['iter'], linear), (i, steps))
     for (key, label), ax in zip(panels, axes.flat):
-        for i, (d, name) in enumerate(zip(dirs, names)):
-            steps, calib = read_run(d, cfg.max_iter)
+        for i, (name, (steps, calib)) in enumerate(zip(names, runs)):
             color = f'C{i}'
             its = [r['iter'] for r in steps]
             ax.plot(its, moving_average([r.get(key, float('nan')) for r in steps], cfg.smooth), color=color,
@@ -73,18 +78,18 @@ def main(argv):
                 ax.axvline(calib['iter'] + 1, color='0.6', ls=':', lw=1)
             if key == 'hidden_rms' and calib is not None:
                 ax.axhline(calib['s_tgt'], color=color, ls='--', lw=0.8)
-            if not gate_drawn and any(r['phase'] == 'taper' for r in steps):
-                for a in axes.flat:  # the gate, on its own axis, once per panel
-                    twin = a.twinx()
-                    twin.plot(its, [r['gate'] for r in steps], color='0.75', lw=2, zorder=0)
-                    twin.set_ylim(-0.05, 1.6)
-                    twin.set_yticks([0, 1])
-                    twin.set_ylabel('gate g', color='0.6')
-                gate_drawn = True
+        if gates:  # the gate g on an axis of its own in every panel
+            twin = ax.twinx()
+            for i, steps in gates.values():
+                twin.plot([r['iter'] for r in steps], [r['gate'] for r in steps], color=f'C{i}', alpha=0.3,
+                          lw=2, zorder=0)
+            twin.set_ylim(-0.05, 1.6)
+            twin.set_yticks([0, 1])
+            twin.set_ylabel('gate g' + (f' ({len(gates)} schedules)' if len(gates) > 1 else ''), color='0.6')
         ax.set_title(label, fontsize=10)
         ax.grid(alpha=0.3)
         if key == 'ce' and cfg.ce_span:
-            lo = min(min(r['ce'] for r in read_run(d, cfg.max_iter)[0]) for d in dirs)
+            lo = min(min(r['ce'] for r in steps) for steps, _ in runs)
             ax.set_ylim(lo - 0.2, lo + cfg.ce_span)
     axes[0, 0].legend(fontsize=8)
     for ax in axes[1]:

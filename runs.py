@@ -1,8 +1,9 @@
 """
-The mechanics around one train.py run, kept apart so that train.py shows the method: the
-dataset's checks, processes and devices (DDP, autocast, torch.compile), the run folder (one run
-per out_dir, its lock, the log on resume), stopping on a signal, and the log itself. The run
-mechanics, from a user's side, are in docs/runs.md.
+The mechanics around one train.py run, kept apart so that train.py shows the method: resume
+(the stored configuration and its check), the dataset's checks, the seeded streams batches are
+drawn from and the final losses over whole splits, processes and devices (DDP, autocast,
+torch.compile), the run folder (one run per out_dir, its lock, the log on resume), stopping on a
+signal, and the log itself. From a user's side they are in docs/runs.md.
 """
 
 import json
@@ -21,9 +22,37 @@ try:
 except ImportError:
     fcntl = None
 
-from configurator import resolve_device
+from configurator import ConfigError, parse_args, resolve_device
+from model import load_checkpoint
 
 REPO = os.path.dirname(os.path.abspath(__file__))
+
+
+# ---- resume ---------------------------------------------------------------------------------
+
+def resume_config(argv, out_dir, defaults, choices, validate, free):
+    """For --init_from=resume: (configuration, checkpoint). The configuration is the one stored
+    in out_dir/ckpt.pt (over the script's defaults, for keys it predates), with argv's config files
+    and overrides applied on top and checked by validate; keys outside `free` must keep their
+    stored values, else SystemExit listing every difference."""
+    path = os.path.join(out_dir, 'ckpt.pt')
+    if not os.path.exists(path):
+        raise SystemExit(f"--init_from=resume: {path} not found; train from scratch first "
+                         "or point --out_dir at the run to continue")
+    ckpt = load_checkpoint(path, 'cpu')
+    # a checkpoint from before the calibration key calibrated with the warmup's EMA
+    stored = {**defaults, 'calibration': 'ema', **ckpt['config']}
+    try:
+        cfg = parse_args(argv, stored, choices)
+        validate(cfg)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}")
+    diff = [f"{k}={cfg[k]!r} (stored: {stored[k]!r})" for k in cfg if k not in free and cfg[k] != stored[k]]
+    if diff:
+        raise SystemExit(f"--init_from=resume: {', '.join(diff)} would change the run in {out_dir}; "
+                         f"leave them out to continue it as it was (python train.py --init_from=resume "
+                         f"--out_dir={out_dir}), or start a new run in another --out_dir")
+    return SimpleNamespace(**cfg), ckpt
 
 
 # ---- the dataset ----------------------------------------------------------------------------
@@ -96,6 +125,61 @@ def check_dataset(folder, block_size, fix):
     return meta
 
 
+# ---- seeded streams of windows, and the final losses over whole splits ---------------------------
+
+def batch_rng(seed, *stream):
+    """A numpy Generator determined by (seed, *stream): batches depend on nothing else.
+    Streams: (0, it, rank, micro) training, (1, k) evaluation, (2, rank, k) calibration,
+    (3,) the final training-loss windows, (4,) the order of sampler='epoch'."""
+    return np.random.default_rng(np.random.SeedSequence([seed, *stream]))
+
+
+def windows(data, starts, block_size, device):
+    """x, y (len(starts), T) int64 on device: data[s : s + T] and the same shifted by one token."""
+    x = torch.from_numpy(np.stack([data[i:i + block_size] for i in starts]).astype(np.int64))
+    y = torch.from_numpy(np.stack([data[i + 1:i + 1 + block_size] for i in starts]).astype(np.int64))
+    if device.startswith('cuda'):
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+@torch.no_grad()
+def final_losses(model, folder, cfg, env):
+    """(final_val_loss, final_train_loss): cross-entropy in nats/token over windows of block_size.
+
+    val: the whole val split in non-overlapping windows, window i covering tokens [i·T, (i+1)·T)
+    with targets shifted by one (a tail shorter than a window is dropped). train: as many
+    windows as val has, at fixed random starts in the train split (seeded), so the two are
+    comparable: train below val is fitting the training text more than the language.
+    Under DDP the windows are split over ranks and the sums all-reduced.
+    """
+    T = cfg.block_size
+    val = np.memmap(os.path.join(folder, 'val.bin'), dtype=np.uint16, mode='r')
+    train = np.memmap(os.path.join(folder, 'train.bin'), dtype=np.uint16, mode='r')
+    n_windows = (len(val) - 1) // T
+    train_starts = batch_rng(cfg.seed, 3).integers(len(train) - T, size=n_windows)
+    return tuple(mean_ce(model, data, starts, cfg.batch_size, T, env)
+                 for data, starts in ((val, [i * T for i in range(n_windows)]), (train, train_starts)))
+
+
+def mean_ce(model, data, starts, batch_size, block_size, env):
+    """Mean cross-entropy of the windows at `starts` (see windows), this rank's share."""
+    was_training = model.training
+    model.eval()
+    mine = list(starts[env.rank::env.world])
+    total = torch.zeros(2, device=env.dev, dtype=torch.float64)  # sum of CE over tokens, tokens
+    total[1] = len(mine) * block_size  # counted on the host: no device tensor per batch
+    for k in range(0, len(mine), batch_size):
+        x, y = windows(data, mine[k:k + batch_size], block_size, env.dev)
+        with env.autocast:
+            model(x, y)
+        total[0] += model.last_metrics.ce.double() * y.numel()
+    if env.ddp:
+        torch.distributed.all_reduce(total)
+    model.train(was_training)
+    return (total[0] / total[1]).item()
+
+
 # ---- processes and devices ------------------------------------------------------------------
 
 def setup(cfg):
@@ -133,6 +217,14 @@ def compile_model(model):
     name = 'recompile_limit' if hasattr(dynamo_config, 'recompile_limit') else 'cache_size_limit'  # torch < 2.6
     setattr(dynamo_config, name, max(getattr(dynamo_config, name), RECOMPILE_LIMIT))
     return torch.compile(model)
+
+
+def end_processes(env):
+    """Under DDP, with every rank done: a barrier, then the process group goes (gloo aborted at exit
+    now and then when one rank tore down first)."""
+    if env.ddp:
+        torch.distributed.barrier(device_ids=[env.local_rank] if env.device_type == 'cuda' else None)
+        torch.distributed.destroy_process_group()
 
 
 def wrap_ddp(model, env):
@@ -226,3 +318,14 @@ def log(record, cfg, env):
     elif 'final_val_loss' in r:
         print(f"final_val_loss {r['final_val_loss']:.4f} (whole val split, non-overlapping windows of "
               f"{cfg.block_size}), final_train_loss {r['final_train_loss']:.4f} (as many train windows)")
+
+
+def final_record(out_dir):
+    """The record with final_val_loss in out_dir/log.jsonl (the last one), or None: a run whose
+    log has it is finished."""
+    path = os.path.join(out_dir, 'log.jsonl')
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return next((r for r in reversed([json.loads(line) for line in f if line.strip()])
+                     if 'final_val_loss' in r), None)

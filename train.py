@@ -40,10 +40,11 @@ import numpy as np
 import torch
 
 from baselines import fakeln_step, remove_norms
-from configurator import ConfigError, check_compiler, configure, defaults_of, keys_set, parse_args
+from configurator import ConfigError, check_compiler, configure, defaults_of, keys_set
 from gpt2 import GPT2_MODELS, PRETRAINED_SHAPE, PretrainedError, pretrained_args
-from model import FAKELN_EVENTS, GPT, GPTConfig, load_checkpoint, save_checkpoint
-from runs import StopSignal, claim_out_dir, compile_model, find_dataset, log, setup, wrap_ddp
+from model import FAKELN_EVENTS, GPT, GPTConfig, save_checkpoint
+from runs import (StopSignal, batch_rng, claim_out_dir, compile_model, end_processes, final_losses, final_record,
+                  find_dataset, log, resume_config, setup, windows, wrap_ddp)
 
 # -----------------------------------------------------------------------------
 # data
@@ -186,69 +187,16 @@ def pretrained_config(argv, cfg):
     return SimpleNamespace(**{**vars(cfg), **{k: args[k] for k in MODEL_KEYS}})
 
 
-def resume_config(argv, given):
-    """For --init_from=resume: (configuration, checkpoint). The configuration is the one stored
-    in out_dir/ckpt.pt, with argv's config files and overrides applied on top; keys outside
-    RESUME_FREE must keep their stored values, else SystemExit listing every difference."""
-    path = os.path.join(given.out_dir, 'ckpt.pt')
-    if not os.path.exists(path):
-        raise SystemExit(f"--init_from=resume: {path} not found; train from scratch first "
-                         "or point --out_dir at the run to continue")
-    ckpt = load_checkpoint(path, 'cpu')
-    # a checkpoint from before the calibration key calibrated with the warmup's EMA
-    stored = {**defaults_of(globals()), 'calibration': 'ema', **ckpt['config']}
-    try:
-        cfg = parse_args(argv, stored, CHOICES)
-        validate(cfg)
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}")
-    diff = [f"{k}={cfg[k]!r} (stored: {stored[k]!r})" for k in cfg if k not in RESUME_FREE and cfg[k] != stored[k]]
-    if diff:
-        raise SystemExit(f"--init_from=resume: {', '.join(diff)} would change the run in {given.out_dir}; "
-                         f"leave them out to continue it as it was (python train.py --init_from=resume "
-                         f"--out_dir={given.out_dir}), or start a new run in another --out_dir")
-    return SimpleNamespace(**cfg), ckpt
+def run_config(argv):
+    """(configuration, checkpoint or None) of the run argv asks for: a new one (load_config), a
+    resumed one (resume_config) or one from GPT-2's weights (pretrained_config)."""
+    cfg = load_config(argv)
+    if cfg.init_from == 'resume':
+        return resume_config(argv, cfg.out_dir, defaults_of(globals()), CHOICES, validate, RESUME_FREE)
+    return (cfg if cfg.init_from == 'scratch' else pretrained_config(argv, cfg)), None
 
 
-# ---- the schedule: pure functions of the iteration (docs/method.md §2) -------------------
-
-def get_phase(it, taper, gate_warmup_iters, taper_iters):
-    """'baseline' for taper='none', else 'warmup' | 'taper' | 'linear' at iteration it."""
-    if taper == 'none':
-        return 'baseline'
-    if it < gate_warmup_iters:
-        return 'warmup'
-    return 'taper' if it < gate_warmup_iters + taper_iters else 'linear'
-
-
-def get_gate(it, taper, gate_warmup_iters, taper_iters):
-    """g(it): 1 in warmup (and baseline), ½(1 + cos(π(it − W)/T)) in taper, 0 in linear."""
-    phase = get_phase(it, taper, gate_warmup_iters, taper_iters)
-    if phase == 'taper':
-        return 0.5 * (1.0 + math.cos(math.pi * (it - gate_warmup_iters) / taper_iters))
-    return 0.0 if phase == 'linear' else 1.0
-
-
-def get_fakeln_stage(it, norm_removal, fakeln_interval):
-    """FakeLN's events done before iteration it (0 .. len(FAKELN_EVENTS)); 0 for norm_removal='none'."""
-    return 0 if norm_removal == 'none' else min(it // fakeln_interval, len(FAKELN_EVENTS))
-
-
-def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters):
-    """Linear warmup over warmup_iters, cosine decay to min_lr at lr_decay_iters, then flat."""
-    if it < warmup_iters:
-        return learning_rate * (it + 1) / (warmup_iters + 1)
-    if it >= lr_decay_iters:
-        return min_lr
-    ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
-
-
-def batch_rng(seed, *stream):
-    """A numpy Generator determined by (seed, *stream): batches depend on nothing else.
-    Streams: (0, it, rank, micro) training, (1, k) evaluation, (2, rank, k) calibration,
-    (3,) the final training-loss windows, (4,) the order of sampler='epoch'."""
-    return np.random.default_rng(np.random.SeedSequence([seed, *stream]))
+# ---- batches: windows of train.bin, each a function of (seed, stream) -------------------------
 
 
 @functools.lru_cache(maxsize=2)
@@ -304,15 +252,6 @@ def train_batch(folder, cfg, env, it, micro):
     return windows(data, order[first:first + cfg.batch_size] * cfg.block_size, cfg.block_size, env.dev)
 
 
-def windows(data, starts, block_size, device):
-    """x, y (len(starts), T) int64 on device: data[s : s + T] and the same shifted by one token."""
-    x = torch.from_numpy(np.stack([data[i:i + block_size] for i in starts]).astype(np.int64))
-    y = torch.from_numpy(np.stack([data[i + 1:i + 1 + block_size] for i in starts]).astype(np.int64))
-    if device.startswith('cuda'):
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x.to(device), y.to(device)
-
-
 def get_batch(folder, split, rng, batch_size, block_size, device):
     """Random windows of one split: x, y of shape (B, T), y shifted by one token."""
     # re-open the memmap per batch: a long-lived np.memmap grows the resident memory
@@ -320,44 +259,29 @@ def get_batch(folder, split, rng, batch_size, block_size, device):
     return windows(data, rng.integers(len(data) - block_size, size=batch_size), block_size, device)
 
 
-@torch.no_grad()
-def final_losses(model, folder, cfg, env):
-    """(final_val_loss, final_train_loss): cross-entropy in nats/token over windows of block_size.
+# ---- the model, a training step, evaluation ----------------------------------------------
 
-    val: the whole val split in non-overlapping windows, window i covering tokens [i·T, (i+1)·T)
-    with targets shifted by one (a tail shorter than a window is dropped). train: as many
-    windows as val has, at fixed random starts in the train split (seeded), so the two are
-    comparable: train below val is fitting the training text more than the language.
-    Under DDP the windows are split over ranks and the sums all-reduced.
-    """
-    T = cfg.block_size
-    val = np.memmap(os.path.join(folder, 'val.bin'), dtype=np.uint16, mode='r')
-    train = np.memmap(os.path.join(folder, 'train.bin'), dtype=np.uint16, mode='r')
-    n_windows = (len(val) - 1) // T
-    train_starts = batch_rng(cfg.seed, 3).integers(len(train) - T, size=n_windows)
-    return tuple(mean_ce(model, data, starts, cfg.batch_size, T, env)
-                 for data, starts in ((val, [i * T for i in range(n_windows)]), (train, train_starts)))
+def build_model(cfg, model_args, ckpt, env):
+    """(model on env.dev, its AdamW): random weights (scratch; seeded), the checkpoint's weights and
+    optimizer state (resume), or a pretrained GPT-2's (init_from=NAME|FOLDER, model_args on top);
+    SystemExit with one line if GPT-2 fails to load."""
+    torch.manual_seed(cfg.seed)  # the initial weights
+    if cfg.init_from in ('scratch', 'resume'):
+        model = GPT(GPTConfig(**model_args))
+        if ckpt is not None:
+            model.load_state_dict(ckpt['model'])
+    else:
+        try:
+            model = GPT.from_pretrained(cfg.init_from, model_args)
+        except PretrainedError as e:
+            raise SystemExit(f"init_from={cfg.init_from}: {e}") from None
+    model.to(env.dev)
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+                                           env.device_type)
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt['optimizer'])
+    return model, optimizer
 
-
-def mean_ce(model, data, starts, batch_size, block_size, env):
-    """Mean cross-entropy of the windows at `starts` (see windows), this rank's share."""
-    was_training = model.training
-    model.eval()
-    mine = list(starts[env.rank::env.world])
-    total = torch.zeros(2, device=env.dev, dtype=torch.float64)  # sum of CE over tokens, tokens
-    total[1] = len(mine) * block_size  # counted on the host: no device tensor per batch
-    for k in range(0, len(mine), batch_size):
-        x, y = windows(data, mine[k:k + batch_size], block_size, env.dev)
-        with env.autocast:
-            model(x, y)
-        total[0] += model.last_metrics.ce.double() * y.numel()
-    if env.ddp:
-        torch.distributed.all_reduce(total)
-    model.train(was_training)
-    return (total[0] / total[1]).item()
-
-
-# ---- training steps, evaluation, the calibrate event, logging ---------------------------
 
 def train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stopping=False):
     """One optimizer step over gradient_accumulation_steps micro-batches. Returns the step's
@@ -417,6 +341,40 @@ def estimate_val_loss(fwd_model, raw_model, folder, cfg, env):
     return torch.stack(losses).mean().item()
 
 
+# ---- the four phases: the schedule (pure functions of the iteration), the calibrate event, and ---
+# ---- the loop that runs them in main (docs/method.md §2) -----------------------------------------
+
+def get_phase(it, taper, gate_warmup_iters, taper_iters):
+    """'baseline' for taper='none', else 'warmup' | 'taper' | 'linear' at iteration it."""
+    if taper == 'none':
+        return 'baseline'
+    if it < gate_warmup_iters:
+        return 'warmup'
+    return 'taper' if it < gate_warmup_iters + taper_iters else 'linear'
+
+
+def get_gate(it, taper, gate_warmup_iters, taper_iters):
+    """g(it): 1 in warmup (and baseline), ½(1 + cos(π(it − W)/T)) in taper, 0 in linear."""
+    phase = get_phase(it, taper, gate_warmup_iters, taper_iters)
+    if phase == 'taper':
+        return 0.5 * (1.0 + math.cos(math.pi * (it - gate_warmup_iters) / taper_iters))
+    return 0.0 if phase == 'linear' else 1.0
+
+
+def get_fakeln_stage(it, norm_removal, fakeln_interval):
+    """FakeLN's events done before iteration it (0 .. len(FAKELN_EVENTS)); 0 for norm_removal='none'."""
+    return 0 if norm_removal == 'none' else min(it // fakeln_interval, len(FAKELN_EVENTS))
+
+
+def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters):
+    """Linear warmup over warmup_iters, cosine decay to min_lr at lr_decay_iters, then flat."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it >= lr_decay_iters:
+        return min_lr
+    ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+
 @torch.no_grad()
 def calibrate_event(fwd_model, raw_model, folder, cfg, env):
     """docs/method.md §3: c and s_tgt from the model as it is ('end': calib_batches forwards of
@@ -450,30 +408,11 @@ def fakeln_events(raw_model, it, cfg, env):
         log({'event': 'fakeln', 'iter': it - 1, **remove_norms(raw_model)}, cfg, env)
 
 
-def build_model(cfg, model_args, ckpt):
-    """The model to train: random (scratch), the checkpoint's weights (resume), or a pretrained
-    GPT-2's (init_from=NAME|FOLDER, model_args on top); SystemExit with one line if GPT-2 fails to load."""
-    if cfg.init_from in ('scratch', 'resume'):
-        model = GPT(GPTConfig(**model_args))
-        if ckpt is not None:
-            model.load_state_dict(ckpt['model'])
-        return model
-    try:
-        return GPT.from_pretrained(cfg.init_from, model_args)
-    except PretrainedError as e:
-        raise SystemExit(f"init_from={cfg.init_from}: {e}") from None
-
-
 # ---- main -------------------------------------------------------------------------------
 
 def main(argv):
     """Train with the configuration given by argv (see load_config); returns the trained model."""
-    cfg = load_config(argv)
-    ckpt = None
-    if cfg.init_from == 'resume':
-        cfg, ckpt = resume_config(argv, cfg)
-    elif cfg.init_from != 'scratch':
-        cfg = pretrained_config(argv, cfg)  # the model shape of the GPT-2 checkpoint (its config only)
+    cfg, ckpt = run_config(argv)
     env = setup(cfg)
     if env.compile:
         check_compiler(env.dev)
@@ -487,19 +426,17 @@ def main(argv):
         raise SystemExit(f"--init_from=resume: the dataset {folder} has vocab_size {meta['vocab_size']}, "
                          f"the checkpoint's model {ckpt['model_args']['vocab_size']}: resume on the run's data")
     iter_num = ckpt['iter_num'] if ckpt is not None else 0
+    done = final_record(cfg.out_dir) if iter_num >= cfg.max_iters else None
+    if done is not None:  # resumed after its end: nothing to redo
+        print(f"{cfg.out_dir} is a finished run ({iter_num} of {cfg.max_iters} steps, final_val_loss "
+              f"{done['final_val_loss']:.4f}): nothing to train or evaluate; a longer run is a new run")
+        return GPT.from_state_dict(ckpt['model'], ckpt['model_args'])
     lock = claim_out_dir(cfg, iter_num) if env.master else None  # noqa: F841 (held until the process ends)
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
 
-    # ---- model and optimizer, from scratch or from the checkpoint ----
-    torch.manual_seed(cfg.seed)  # the initial weights
-    raw_model = build_model(cfg, model_args, ckpt)
-    raw_model.to(env.dev)
-    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
-                                               env.device_type)
-    if ckpt is not None:
-        optimizer.load_state_dict(ckpt['optimizer'])
-        if env.master:
-            print(f"resuming {ckpt_path} at iteration {iter_num}")
+    raw_model, optimizer = build_model(cfg, model_args, ckpt, env)
+    if ckpt is not None and env.master:
+        print(f"resuming {ckpt_path} at iteration {iter_num}")
     del ckpt
     fwd_model = compile_model(raw_model) if env.compile else raw_model
 
@@ -575,12 +512,8 @@ def main(argv):
     final_val, final_train = final_losses(raw_model, folder, cfg, env)
     log({'iter': iter_num, 'phase': raw_model.phase, 'final_val_loss': final_val, 'final_train_loss': final_train},
         cfg, env)
-    if env.ddp:
-        # free the DDP wrapper (its reducer holds the process group) before the group goes, with
-        # every rank done: gloo aborted at exit now and then when one rank tore down first
-        del train_model
-        torch.distributed.barrier(device_ids=[env.local_rank] if env.device_type == 'cuda' else None)
-        torch.distributed.destroy_process_group()
+    del train_model  # under DDP its reducer holds the process group: free it before the group goes
+    end_processes(env)
     return raw_model
 
 

@@ -1,4 +1,4 @@
-"""TaperNorm, calibration, L_aux and the compiled model (SPEC §1, §3, §4)."""
+"""TaperNorm, calibration, L_aux and the compiled model (docs/method.md §1, §3, §4)."""
 
 import math
 
@@ -45,7 +45,7 @@ def tapernorm(kind, d=16):
 
 
 def linear_map(m, h):
-    """c·h⊙γ̃ (RMS) or c·(P h)⊙γ̃ + β̃ (LN), written out from SPEC §1."""
+    """c·h⊙γ̃ (RMS) or c·(P h)⊙γ̃ + β̃ (LN), written out from docs/method.md §1."""
     x = h - h.mean(-1, keepdim=True) if m.kind == 'layernorm' else h
     y = m.c * x * m.weight_tilde
     return y + m.bias_tilde if m.bias_tilde is not None else y
@@ -107,7 +107,7 @@ def calibrate_on(model, x):
 
 
 def reference_r(h, kind, eps=1e-5):
-    """r(h) or σ(h) of SPEC §1 in plain torch, (..., d) -> (...)."""
+    """r(h) or σ(h) of docs/method.md (its symbols) in plain torch, (..., d) -> (...)."""
     x = h - h.mean(-1, keepdim=True) if kind == 'layernorm' else h
     return (x.pow(2).sum(-1) / h.size(-1) + eps).sqrt()
 
@@ -116,7 +116,7 @@ def reference_r(h, kind, eps=1e-5):
 @pytest.mark.parametrize('mode', ['end', 'ema'])
 def test_calibration_on_a_fixed_batch_is_the_closed_form(kind, mode):
     """'end' on one batch, or 'ema' fed one batch repeatedly (the bias correction cancels):
-    c and s_tgt are exactly the least-squares closed form of SPEC §3 on that batch."""
+    c and s_tgt are exactly the least-squares closed form of docs/method.md §3 on that batch."""
     model = tiny(kind, taper='all')
     randomize_gains(model)
     inputs = {}
@@ -138,7 +138,7 @@ def test_calibration_on_a_fixed_batch_is_the_closed_form(kind, mode):
     for name, m in model.tapernorms():
         h = inputs[name].reshape(-1, 32).double()
         hg = (h - h.mean(-1, keepdim=True) if kind == 'layernorm' else h) * gammas[name].double()
-        c_star = (hg.pow(2).sum(-1) / reference_r(h, kind)).mean() / hg.pow(2).sum(-1).mean()  # SPEC §3
+        c_star = (hg.pow(2).sum(-1) / reference_r(h, kind)).mean() / hg.pow(2).sum(-1).mean()  # docs/method.md §3
         assert event['c'][name] == pytest.approx(c_star.item(), rel=1e-5)
         assert_close(m.weight_tilde, m.weight, rtol=0, atol=0)
         if m.bias is not None:

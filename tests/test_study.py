@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -252,3 +253,29 @@ def test_every_tapered_cell_of_every_matrix_names_its_calibration():
             argv = [a if a.startswith('--') else os.path.join(study.ROOT, a) for a in args]
             if study.cell_config(args)['taper'] != 'none':
                 assert configurator.keys_set(argv, defaults, ('calibration',)) == {'calibration'}, (matrix, name)
+
+
+def test_plot_draws_one_gate_curve_per_schedule(tmp_path):
+    pytest.importorskip('matplotlib')
+    import matplotlib.pyplot as plt
+    import plot
+
+    def fake_run(name, W, T, n=40):  # the log records plot.py reads, with the gate of schedule (W, T)
+        d = tmp_path / name
+        d.mkdir()
+        gate = lambda it: 1.0 if it < W else 0.0 if it >= W + T else 0.5 * (1 + math.cos(math.pi * (it - W) / T))
+        phase = lambda it: 'warmup' if it < W else 'taper' if it < W + T else 'linear'
+        recs = [dict(iter=it, phase=phase(it), gate=gate(it), loss=5.0, ce=5.0, hidden_rms=1.0, logit_rms=1.0,
+                     radial_cos=0.0) for it in range(n)]
+        recs.insert(W, {'event': 'calibrate', 'iter': W - 1, 's_tgt': 1.0})
+        (d / 'log.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in recs))
+        return str(d)
+
+    runs = [fake_run('a', 4, 10), fake_run('b', 4, 10), fake_run('c', 8, 20)]  # two schedules
+    plot.main([f'--runs={",".join(runs)}', f'--out={tmp_path / "p.png"}'])
+    twins = [ax for ax in plt.gcf().axes if ax.get_ylabel().startswith('gate g')]
+    assert len(twins) == 4 and all(len(ax.lines) == 2 for ax in twins)  # one curve per schedule, per panel
+    assert twins[0].get_ylabel() == 'gate g (2 schedules)'
+    c = twins[0].lines[1]  # run c's schedule: 1 until 8, 0 from 28
+    assert list(c.get_ydata()[[7, 18, 28]]) == [1.0, pytest.approx(0.5), 0.0]
+    plt.close('all')

@@ -1,4 +1,4 @@
-"""train.py: configuration, schedule, checkpoints, resume, failure handling (SPEC §2)."""
+"""train.py: configuration, schedule, checkpoints, resume, failure handling (docs/method.md §2)."""
 
 import json
 import math
@@ -155,7 +155,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize('sampler', ['random', 'epoch'])
-def test_resume_continues_exactly_across_the_calibrate_event(toy_data, tmp_path, monkeypatch, sampler):
+def test_resume_continues_exactly_across_the_calibrate_event(toy_data, tmp_path, monkeypatch, capsys, sampler):
     """16 steps straight == interrupted at step 10 (last checkpoint: 8) + resume to 16."""
     straight = tmp_path / 'straight'
     train.main(toy_args(toy_data, straight, sampler=sampler))
@@ -176,10 +176,13 @@ def test_resume_continues_exactly_across_the_calibrate_event(toy_data, tmp_path,
     assert [r for r in b if r.get('event') == 'calibrate'] == [r for r in a if r.get('event') == 'calibrate']
     assert len([r for r in b if r.get('event') == 'calibrate']) == 1  # never repeated on resume
     assert a[-1]['final_val_loss'] == b[-1]['final_val_loss']
-    # resuming a finished run trains nothing and reports the same state: linear, g = 0
+    # resuming a finished run says so, trains and evaluates nothing, and reports its state: linear, g = 0
+    before = (straight / 'log.jsonl').read_text()
+    capsys.readouterr()
     model = train.main(toy_args(toy_data, straight, init_from='resume', sampler=sampler))
     assert (model.phase, model.gate.item()) == ('linear', 0.0)
-    assert read_log(straight)[-1]['final_val_loss'] == a[-1]['final_val_loss']
+    assert f"is a finished run (16 of 16 steps, final_val_loss {a[-1]['final_val_loss']:.4f})" in capsys.readouterr().out
+    assert (straight / 'log.jsonl').read_text() == before
 
 
 @pytest.fixture
