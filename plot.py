@@ -1,9 +1,12 @@
 """
 Plot training runs from their log.jsonl: loss, the scale of the pre-logit state s(h), the logits'
 RMS and the radial share of the gradient, against the step, with the gate g and the calibrate
-step marked. Needs matplotlib (pip install matplotlib), imported only here.
+step marked. Or, with --ladder, the budget ladder of the study's part 3 (study.py's ladder
+matrices): each variant's paired gap to the baseline against the tokens seen. Needs matplotlib
+(pip install matplotlib), imported only here.
 
     python plot.py --runs=study/baseline-end-s1,study/internal-end-s1,study/all-end-s1 --out=docs/plots/main.png
+    python plot.py --ladder=study/results.json --out=docs/plots/budget_ladder.png
 """
 
 import json
@@ -14,6 +17,7 @@ from configurator import configure
 
 # -----------------------------------------------------------------------------
 runs = ''                   # comma-separated out_dirs (each with a log.jsonl)
+ladder = ''                 # instead of --runs: a study results.json, drawn as the budget ladder (ladder_plot)
 labels = ''                 # comma-separated legend labels (default: the folder names)
 out = 'plot.png'            # the PNG to write
 title = ''                  # a title over the panels
@@ -41,16 +45,71 @@ def moving_average(xs, n):
     return [sum(xs[max(0, i - n + 1):i + 1]) / len(xs[max(0, i - n + 1):i + 1]) for i in range(len(xs))]
 
 
+PAPER_GAP = (0.7, 1.8)  # % above the baseline: the paper's tapered models on TinyStories (its budgets not public)
+
+
+def ladder_plot(plt, results_path, out, title):
+    """The budget ladder: for every variant but the baseline, its final val loss at its best
+    learning rate against the baseline's at its own, paired by seed, in %, against the tokens a
+    run saw (log axis); one line per model size and variant, the seed spread as error bars where
+    seeds were run, the val loss written beside each point, the paper's range as a band."""
+    import study
+    with open(results_path) as f:
+        done = json.load(f)['cells']
+    args = {n: a for m in study.LADDER_MATRICES for n, a in study.MATRICES[m].items()}
+    cells = {n: done[n] for n in args if n in done}
+    if not cells:
+        raise SystemExit(f"{results_path} holds no cell of the ladder matrices ({', '.join(study.LADDER_MATRICES)})")
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    ax.axhspan(*PAPER_GAP, color='0.85', zorder=0, label='paper: +0.7 to +1.8 % (budget not public)')
+    ax.axhline(0, color='0.4', lw=0.8)
+    lines = {}
+    for (size, budget), by_v in study.ladder_best(cells, args).items():
+        base = by_v.get('baseline')
+        if base is None:
+            continue
+        c = study.cell_config(next(a for n, a in args.items() if n.split('-')[1:3] == [size, 't' + budget]))
+        tokens = c['max_iters'] * c['batch_size'] * c['block_size'] * c['gradient_accumulation_steps']
+        for v, (lr, by_seed, _) in by_v.items():
+            gaps = [100 * (x['final_val_loss'] / base[1][s]['final_val_loss'] - 1) for s, x in by_seed.items()
+                    if x['status'] == 'finished' and base[1].get(s, {}).get('status') == 'finished']
+            if v != 'baseline' and gaps:
+                lines.setdefault((size, v), []).append((tokens, gaps, [x['final_val_loss'] for x in by_seed.values()
+                                                                       if x['status'] == 'finished']))
+    variants = sorted({v for _, v in lines})
+    for (size, v), points in sorted(lines.items()):
+        points.sort()
+        xs = [p[0] for p in points]
+        ys = [sum(p[1]) / len(p[1]) for p in points]
+        err = [(max(p[1]) - min(p[1])) / 2 if len(p[1]) > 1 else 0 for p in points]
+        ax.errorbar(xs, ys, yerr=err, marker='os^v'[sorted({s for s, _ in lines}).index(size) % 4], capsize=3,
+                    color=f'C{variants.index(v)}', ls='-' if size == '1M' else '--', label=f'{v}, {size} model')
+        for x, y, p in zip(xs, ys, points):
+            ax.annotate(f"{sum(p[2]) / len(p[2]):.3f}", (x, y), textcoords='offset points', xytext=(5, 4), fontsize=7)
+    ax.set_xscale('log')
+    ax.set_xlabel('tokens seen (each variant at its best learning rate; beside each point: its final val loss)')
+    ax.set_ylabel('final val loss vs RMSNorm baseline, paired (%)')
+    ax.set_title(title or 'TaperNorm against the budget (mix7, read once)', fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 def main(argv):
     cfg = configure(argv, globals())
-    if not cfg.runs:
-        raise SystemExit("config error: --runs=DIR[,DIR...] is required")
+    if not cfg.runs and not cfg.ladder:
+        raise SystemExit("config error: --runs=DIR[,DIR...] (or --ladder=study/results.json) is required")
     try:
         import matplotlib
         matplotlib.use('Agg')
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("plot.py needs matplotlib: pip install matplotlib") from None
+    if cfg.ladder:
+        return ladder_plot(plt, cfg.ladder, cfg.out, cfg.title)
     dirs = cfg.runs.split(',')
     names = cfg.labels.split(',') if cfg.labels else [os.path.basename(d.rstrip('/')) for d in dirs]
     if len(names) != len(dirs):

@@ -169,6 +169,9 @@ MATRICES = {
 }
 
 
+LADDER_MATRICES = ('ladder',)  # part 3's matrices: plot.py --ladder draws their cells
+
+
 def git_commit():
     try:
         return subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=ROOT, capture_output=True, text=True,

@@ -279,3 +279,21 @@ def test_plot_draws_one_gate_curve_per_schedule(tmp_path):
     c = twins[0].lines[1]  # run c's schedule: 1 until 8, 0 from 28
     assert list(c.get_ydata()[[7, 18, 28]]) == [1.0, pytest.approx(0.5), 0.0]
     plt.close('all')
+
+
+def test_the_ladder_plot_draws_each_variants_paired_gap_against_tokens(tmp_path):
+    pytest.importorskip('matplotlib')
+    import matplotlib.pyplot as plt
+    import plot
+    cell = lambda loss: {'status': 'finished', 'final_val_loss': loss}
+    cells = {'baseline-1M-t3M-lr0.004-s1': cell(5.0), 'baseline-1M-t3M-lr0.008-s1': cell(4.8),
+             'baseline-1M-t3M-lr0.016-s1': cell(4.9), 'internal-1M-t3M-lr0.004-s1': cell(4.7),
+             'internal-1M-t3M-lr0.008-s1': cell(4.75),
+             'internal-1M-t3M-lr0.016-s1': {'status': 'diverged', 'diverged_at': 300}}
+    (tmp_path / 'results.json').write_text(json.dumps({'cells': cells}))
+    plot.main([f'--ladder={tmp_path / "results.json"}', f'--out={tmp_path / "l.png"}'])
+    handles, labels = plt.gcf().axes[0].get_legend_handles_labels()
+    line = handles[labels.index('internal, 1M model')].lines[0]
+    assert list(line.get_xdata()) == [1500 * 16 * 128]  # the 3M point: 1500 steps of 2,048 tokens
+    assert list(line.get_ydata()) == [pytest.approx(100 * (4.7 / 4.8 - 1))]  # each at its best rate, paired
+    plt.close('all')
