@@ -14,7 +14,8 @@ Variants, one architecture, the same random weights (tapered: calibrated on rand
 
 Gate, before any timing, in fp32: internal_unfused and internal_folded, All-Taper and all_folded,
 a raw --ckpt and its unfused form agree on teacher-forced logits (fold.max_logit_error) and the
-first GATE_TOKENS greedy tokens; compiled, each variant's greedy tokens equal its eager ones.
+first GATE_TOKENS greedy tokens; compiled, each variant against itself eager in the dtype timed
+(fp32: greedy tokens equal; bf16: prefill logits within BF16_RTOL, tokens equal up to a near-tie).
 
 Timing (model.py's decode path, as in GPT.generate): a prefill of --prompt_len tokens (time to
 first token, TTFT), then --new_tokens decode steps; medians of --trials trials after two warm-up
@@ -57,7 +58,7 @@ device = 'auto'         # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | '
 dtype = 'auto'          # 'auto' (bfloat16 on CUDA where supported, else float32) | 'float32' | 'bfloat16'
 trials = 5              # timed trials per variant (the median is reported), after two warm-up trials
 seed = 1337             # weights, calibration tokens, prompt and gate sequence
-ckpt = ''               # also time this checkpoint (raw or folded) next to a baseline of its shape
+ckpt = ''               # also time this checkpoint (raw or folded) next to a baseline of its shape; every variant then takes its shape (--size is not used)
 profile = False         # print a torch.profiler table of one decode step of baseline and internal_folded
 # -----------------------------------------------------------------------------
 CHOICES = {'size': ('', *LADDER), 'compile': ('both', 'eager', 'compiled')}
