@@ -36,6 +36,7 @@ def test_two_process_gloo_run_agrees_on_c(toy_data, tmp_path):
     except subprocess.TimeoutExpired as e:
         pytest.fail(f'torchrun did not finish in {e.timeout} s: {(e.stderr or b"")[-2000:]!r}')
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert '`broadcast_buffers` is deprecated' not in proc.stderr  # kept False on purpose, its warning silenced
     ranks = [json.loads((out / f'rank{r}.json').read_text()) for r in (0, 1)]
     assert ranks[0]['phase'] == ranks[1]['phase'] == 'linear'
     assert ranks[0]['c'] == ranks[1]['c'] and ranks[0]['s_tgt'] == ranks[1]['s_tgt']
