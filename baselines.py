@@ -14,7 +14,7 @@ next layer (fold.py and bench.py refuse a DyT checkpoint).
 import torch
 import torch.nn as nn
 
-from model import FAKELN_EVENTS, Norm, norm_input, norm_scale
+from model import FAKELN_EVENTS, Norm, all_reduce_sums, norm_input, norm_scale
 
 # α₀ by position: the DyT paper's initialization for its language models (LLaMA-2 7B, its
 # narrowest LLM: 0.8 before attention, 0.2 before the MLP and at the final norm). The paper finds
@@ -115,7 +115,7 @@ def fakeln_step(model):
     all-reduced over ranks (so every rank holds the same window), to its window."""
     live = [m for _, m in fakenorms(model) if not m.removed]
     if live:
-        for m, total in zip(live, model.take_sums([m.step_sums for m in live])):
+        for m, total in zip(live, all_reduce_sums([m.step_sums for m in live])):
             m.window += total
 
 @torch.no_grad()

@@ -41,7 +41,8 @@ import torch
 
 from configurator import ConfigError, configure, resolve_device
 from fold import CheckError, fold_model, max_logit_error, tensor_bytes
-from model import GPT, LADDER, GPTConfig, TaperScale, decode_n_tokens, decode_one_token, prefill
+from model import GPT, LADDER, GPTConfig, TaperScale, decode_n_tokens, decode_one_token, prefill, unfused
+from runs import load_model
 
 # -----------------------------------------------------------------------------
 size = '9M'             # a row of the ladder (docs/method.md §6): 1M | 3M | 9M | 30M ('': give the shape below)
@@ -126,7 +127,7 @@ def build_variants(arch, seed):
     internal = linear_phase_model(arch, 'internal', seed)
     all_taper = linear_phase_model(arch, 'all', seed)  # same seed: the baseline's weights where they exist
     return {'baseline': baseline,
-            'internal_unfused': copy.deepcopy(internal).unfused(),
+            'internal_unfused': unfused(copy.deepcopy(internal)),
             'internal_folded': fold_model(internal),
             'all_folded': fold_model(all_taper)}, all_taper
 
@@ -137,7 +138,7 @@ def checkpoint_variants(cfg):
     line about it, the checkpoint's architecture (SHAPE), which the built-in variants take too).
     A raw linear-phase checkpoint is timed unfused (each tapered norm one multiply), named
     'ckpt:FILE unfused', and gated against 'ckpt:FILE as trained' (its TaperNorm layers at g = 0)."""
-    model, _ = GPT.from_checkpoint(cfg.ckpt, 'cpu')
+    model, _ = load_model(cfg.ckpt, 'cpu')
     c, name, raw = model.config, f'ckpt:{os.path.basename(cfg.ckpt)}', {}
     if c.norm == 'dyt':
         raise SystemExit(f"{cfg.ckpt} is a DyT model (norm='dyt'): bench.py times TaperNorm's folded and "
@@ -148,7 +149,7 @@ def checkpoint_variants(cfg):
                          f"(e.g. --prompt_len={c.block_size // 4} --new_tokens={c.block_size // 2})")
     if model.phase == 'linear' and not c.folded:
         raw[f'{name} as trained'] = copy.deepcopy(model)  # its TaperNorm layers at g = 0: the gate's reference
-        model.unfused()
+        unfused(model)
         name += ' unfused'
         about += " (timed unfused)"
     elif model.phase in ('warmup', 'taper'):

@@ -21,8 +21,8 @@ import torch
 
 from configurator import ConfigError, configure
 from fold import CheckError, max_logit_error
-from gpt2 import PretrainedError, export_gpt2
-from model import GPT
+from gpt2 import PretrainedError, export_gpt2, from_pretrained
+from runs import load_model
 
 # -----------------------------------------------------------------------------
 ckpt = ''           # a train.py checkpoint: a LayerNorm baseline, a gate-warmup TaperNorm, or FakeLN before its first removal
@@ -42,10 +42,10 @@ def validate(cfg):
 def main(argv):
     """Export --ckpt to --out and check it; returns the largest |Δ logit|."""
     cfg = configure(argv, globals(), validate=validate)
-    model, _ = GPT.from_checkpoint(cfg.ckpt)
+    model, _ = load_model(cfg.ckpt)
     try:
         export_gpt2(model, cfg.out)
-        back = GPT.from_pretrained(cfg.out).eval()
+        back = from_pretrained(cfg.out).eval()
     except PretrainedError as e:
         raise SystemExit(f"{cfg.ckpt}: {e}") from None
     tokens = torch.randint(0, model.config.vocab_size, (2, model.config.block_size),

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from configurator import ConfigError, configure, resolve_device
-from model import FAKELN_EVENTS, GPT, GPTConfig, save_checkpoint
+from model import FAKELN_EVENTS, GPTConfig
+from runs import load_model, model_from_state_dict, save_checkpoint
 
 # -----------------------------------------------------------------------------
 ckpt = ''           # a train.py checkpoint in the linear phase (g = 0)
@@ -145,7 +146,7 @@ def fold_state_dict(state_dict, model_args):
 
 def fold_model(model):
     """The folded GPT (CPU, eval mode) of a linear-phase model: fold_state_dict of its weights."""
-    return GPT.from_state_dict(*fold_state_dict(model.state_dict(), vars(model.config)))
+    return model_from_state_dict(*fold_state_dict(model.state_dict(), vars(model.config)))
 
 
 @torch.no_grad()
@@ -208,12 +209,12 @@ def main(argv):
     """Fold --ckpt into --out and print the check; returns the report as a dict."""
     cfg = configure(argv, globals(), validate=validate)
     dev, _ = resolve_device(cfg.device, 'float32')
-    unfolded, ck = GPT.from_checkpoint(cfg.ckpt, dev)
+    unfolded, ck = load_model(cfg.ckpt, dev)
     try:
         sd, args = fold_state_dict(ck['model'], ck['model_args'])
     except FoldError as e:
         raise SystemExit(f"cannot fold {cfg.ckpt}: {e}")
-    folded = GPT.from_state_dict(sd, args).to(dev)
+    folded = model_from_state_dict(sd, args).to(dev)
 
     tokens, source = check_batch(ck, cfg.batch_size, cfg.seed)
     try:

@@ -1,7 +1,7 @@
 """
 GPT-2 in and out through Hugging Face transformers (an optional dependency, imported only when
 used): the shape of a pretrained GPT-2 (pretrained_config, pretrained_args), its weights in a
-model.GPT (from_pretrained, behind GPT.from_pretrained and train.py --init_from=gpt2), and a GPT
+model.GPT (from_pretrained, behind train.py --init_from=gpt2), and a GPT
 written back as a transformers GPT-2 folder (export_gpt2, export_gpt2.py). docs/method.md §7.
 
 GPT-2's Conv1D layers store W as (in, out): their weights are transposed both ways.
@@ -99,7 +99,7 @@ def pretrained_args(name_or_folder, overrides=None):
 def export_gpt2(model, folder):
     """Write a model that still normalizes (a baseline, or a TaperNorm model in its gate warmup, or
     FakeLN before its first removal) as a transformers GPT-2 folder (save_pretrained: config.json
-    and the weights), the inverse of GPT.from_pretrained: loading the folder gives the same logits.
+    and the weights), the inverse of from_pretrained: loading the folder gives the same logits.
     Conv1D weights are stored transposed; a model without biases gets zero biases. Raises
     PretrainedError for a model GPT-2 cannot express: RMSNorm, folded, tapered (taper or linear
     phase), or FakeLN after a removal."""

@@ -17,7 +17,7 @@ Everything the method adds lives here, each in one place:
 - `GPT.branch_mismatch`         ‖L − N‖/‖N‖ where the taper starts              (docs/method.md §3)
 - `aux_loss`                    the scale-anchor loss L_aux on h before ln_f  (docs/method.md §4)
 - `RadialCos`                   cos(∂CE/∂h, h) at the pre-logit state: logit chasing's signature (§4)
-- `TaperScale`, `GPT.unfused`   g = 0 kept as one precomputed multiply         (docs/method.md §5)
+- `TaperScale`, `unfused`       g = 0 kept as one precomputed multiply         (docs/method.md §5)
 - `GPTConfig.folded`            a model whose tapered norms fold.py merged away (docs/method.md §5;
                                 the arithmetic is fold.py's `fold_state_dict`)
 
@@ -30,12 +30,11 @@ Inference has one decode path, as in gpt-fast: a static, preallocated KV cache p
 so a compiled decode step never recompiles. `GPT.generate`, sample.py and bench.py all use it.
 
 Module names follow GPT-2 (transformer.wte/wpe/h.N.ln_1/attn.c_attn/...), so gpt2.py can load
-GPT-2's released weights into a GPT (`GPT.from_pretrained`) and write them back, through Hugging
+GPT-2's released weights into a GPT (`gpt2.from_pretrained`) and write them back, through Hugging
 Face transformers, an optional dependency imported only there.
 """
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -176,7 +175,7 @@ class TaperScale(nn.Module):
     """A TaperNorm at g = 0 kept as an explicit op: "unfused" inference (docs/method.md §5).
 
     x ↦ x ⊙ a with a = c·γ̃ precomputed once, one elementwise multiply per token (LN kind:
-    (x − mean x) ⊙ a + β̃). Built by `GPT.unfused()` for inference; it does not train.
+    (x − mean x) ⊙ a + β̃). Built by `unfused(model)` for inference; it does not train.
     h: (..., d) -> (..., d).
     """
 
@@ -429,6 +428,18 @@ class Block(nn.Module):
         return x
 
 
+def all_reduce_sums(sums):
+    """Statistics collected on each rank (a list of tensors), all-reduced over ranks under torch.distributed (one call, so every
+    rank gets the same values from every rank's data), as a list shaped like `sums`; the
+    sums are zeroed."""
+    flat = torch.cat([t.view(-1) for t in sums])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flat)
+    for t in sums:
+        t.zero_()
+    return [t.view_as(s) for t, s in zip(flat.split([s.numel() for s in sums]), sums)]
+
+
 class GPT(nn.Module):
     """Pre-norm GPT with tied token embedding / LM head and optional TaperNorm layers.
 
@@ -560,17 +571,6 @@ class GPT(nn.Module):
             m.collect = mode
 
     @torch.no_grad()
-    def take_sums(self, sums):
-        """The collected sums, all-reduced over ranks under torch.distributed (one call, so every
-        rank gets the same values from every rank's data), as a list shaped like `sums`; the
-        sums are zeroed."""
-        flat = torch.cat([t.view(-1) for t in sums])
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(flat)
-        for t in sums:
-            t.zero_()
-        return [t.view_as(s) for t, s in zip(flat.split([s.numel() for s in sums]), sums)]
-
     def _calibration_sums(self):
         norms = [m for _, m in self.tapernorms()]
         return [t for m in norms for t in (m.step_num, m.step_den)] + [self.step_hidden_rms, self.step_micro]
@@ -583,7 +583,7 @@ class GPT(nn.Module):
         set_collect('calibration'). The step's statistics are the mean over its micro-batches
         and ranks. Raises RuntimeError if no collecting forward ran since the last call.
         """
-        *totals, n_micro = self.take_sums(self._calibration_sums())
+        *totals, n_micro = all_reduce_sums(self._calibration_sums())
         message = "calibration_step() without a forward under set_collect('calibration')"
         if n_micro.device.type == 'cpu':
             if n_micro.item() == 0:
@@ -613,7 +613,7 @@ class GPT(nn.Module):
             raise RuntimeError("the model is already calibrated; the calibrate event runs once")
         norms = self.tapernorms()
         if mode == 'end':
-            *totals, n_micro = self.take_sums(self._calibration_sums())
+            *totals, n_micro = all_reduce_sums(self._calibration_sums())
             if n_micro.item() == 0:
                 raise RuntimeError("calibrate('end') before any forward under set_collect('calibration')")
             stats = [t / n_micro for t in totals]  # N, D per layer, then mean s(h)
@@ -645,12 +645,10 @@ class GPT(nn.Module):
         starts from is from the normalizing branch it replaces (docs/method.md §3). The sums are reset.
         Raises RuntimeError if nothing was collected."""
         norms = self.tapernorms()
-        sums = self.take_sums([m.mismatch_sums for _, m in norms])
+        sums = all_reduce_sums([m.mismatch_sums for _, m in norms])
         if any(ref.item() == 0 for _, ref in sums):
             raise RuntimeError("branch_mismatch() before any forward under set_collect('mismatch')")
         return {name: (err / ref).sqrt().item() for (name, _), (err, ref) in zip(norms, sums)}
-
-    # ---- forward ------------------------------------------------------------------------
 
     def forward(self, idx, targets=None, input_pos=None):
         """idx: (B, T) token ids, T <= block_size; targets: (B, T) ids or None (-1 = ignore).
@@ -752,20 +750,6 @@ class GPT(nn.Module):
         return torch.cat([idx, tok, *rest], dim=1)
 
     @torch.no_grad()
-    def unfused(self):
-        """Replace every TaperNorm by a TaperScale holding c·γ̃: "unfused" inference (docs/method.md §5).
-
-        For inference only, in place; returns self. Raises RuntimeError unless the model is in
-        the linear phase (g = 0), where a TaperNorm is exactly that map.
-        """
-        if self.phase != 'linear':
-            raise RuntimeError(f"unfused() needs the linear phase (g = 0); this model is in phase "
-                               f"{self.phase!r} with g = {self.gate.item():.4g}")
-        for name, m in self.tapernorms():
-            parent = self.transformer.get_submodule(name.rpartition('.')[0]) if '.' in name else self.transformer
-            setattr(parent, name.rpartition('.')[2], TaperScale(m))
-        return self
-
     def implied_phase(self):
         """The phase the buffers imply, for a loaded checkpoint: 'baseline' (taper='none'),
         'warmup' (not calibrated), 'taper' (g > 0) or 'linear' (g = 0; the taper phase never
@@ -776,72 +760,17 @@ class GPT(nn.Module):
             return 'warmup'
         return 'taper' if self.gate.item() > 0 else 'linear'
 
-    @classmethod
-    def from_state_dict(cls, state_dict, model_args):
-        """A model built from GPTConfig(**model_args) with state_dict loaded, in eval mode and
-        in the phase its buffers imply."""
-        model = cls(GPTConfig(**model_args))
-        model.load_state_dict(state_dict)
-        model.set_phase(model.implied_phase())
-        return model.eval()
 
-    @classmethod
-    def from_pretrained(cls, name_or_folder, overrides=None):
-        """A GPT holding a GPT-2 checkpoint's weights (gpt2.from_pretrained: needs transformers)."""
-        from gpt2 import from_pretrained
-        return from_pretrained(name_or_folder, overrides)
+def unfused(model):
+    """Replace every TaperNorm by a TaperScale holding c·γ̃: "unfused" inference (docs/method.md §5).
 
-    @classmethod
-    def from_checkpoint(cls, path, device='cpu'):
-        """Load a train.py or fold.py checkpoint for inference: returns (model in eval mode,
-        in the phase its buffers imply, the checkpoint dict). Errors as load_checkpoint."""
-        ckpt = load_checkpoint(path, device)
-        return cls.from_state_dict(ckpt['model'], ckpt['model_args']).to(device), ckpt
-
-    # ---- training helpers ---------------------------------------------------------------
-
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW; matrices and embeddings decay, gains and biases (γ, β, γ̃, β̃) do not."""
-        params = [p for p in self.parameters()]  # all, including those frozen in this phase
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [{'params': decay, 'weight_decay': weight_decay},
-                  {'params': no_decay, 'weight_decay': 0.0}]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
-
-
-def save_checkpoint(obj, path):
-    """torch.save to a temp file, fsync, then rename: a crash or Ctrl-C mid-save keeps the old file."""
-    tmp = path + '.tmp'
-    try:
-        with open(tmp, 'wb') as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-CHECKPOINT_KEYS = ('model', 'model_args')  # what every checkpoint holds; train.py's also optimizer, iter_num, config
-
-
-def load_checkpoint(path, device='cpu'):
-    """The dict that train.py or fold.py saved at path, tensors on device (weights_only: no
-    code runs). The one loader every script uses; SystemExit with one line that says what is
-    wrong: no file (a run folder names its ckpt.pt), not a readable checkpoint, missing keys.
+    For inference only, in place; returns the model. Raises RuntimeError unless the model is in
+    the linear phase (g = 0), where a TaperNorm is exactly that map.
     """
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, 'ckpt.pt')):
-        raise SystemExit(f"{path} is a run folder: pass its checkpoint, {os.path.join(path, 'ckpt.pt')}")
-    if not os.path.isfile(path):
-        raise SystemExit(f"checkpoint {path} not found: train.py writes OUT_DIR/ckpt.pt, fold.py its --out")
-    try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-    except Exception:  # torch raises many kinds (UnpicklingError, EOFError, RuntimeError, ...)
-        raise SystemExit(f"{path} is not a readable checkpoint (truncated or corrupt); "
-                         "use another copy or retrain") from None
-    missing = [k for k in CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
-    if missing:
-        raise SystemExit(f"{path} is not a tapernorm checkpoint: it lacks {', '.join(missing)}")
-    return ckpt
+    if model.phase != 'linear':
+        raise RuntimeError(f"unfused() needs the linear phase (g = 0); this model is in phase "
+                           f"{model.phase!r} with g = {model.gate.item():.4g}")
+    for name, m in model.tapernorms():
+        parent = model.transformer.get_submodule(name.rpartition('.')[0]) if '.' in name else model.transformer
+        setattr(parent, name.rpartition('.')[2], TaperScale(m))
+    return model

@@ -3,7 +3,8 @@ The mechanics around one train.py run, kept apart so that train.py shows the met
 (the stored configuration and its check), the dataset's checks, the seeded streams batches are
 drawn from and the final losses over whole splits, processes and devices (DDP, autocast,
 torch.compile), the run folder (one run per out_dir, its lock, the log on resume), stopping on a
-signal, and the log itself. From a user's side they are in docs/runs.md.
+signal, the log itself, and checkpoints (written atomically, read by one loader, a model built
+from one). From a user's side they are in docs/runs.md.
 """
 
 import json
@@ -23,7 +24,7 @@ except ImportError:
     fcntl = None
 
 from configurator import ConfigError, parse_args, resolve_device
-from model import load_checkpoint
+from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -329,3 +330,57 @@ def final_record(out_dir):
     with open(path) as f:
         return next((r for r in reversed([json.loads(line) for line in f if line.strip()])
                      if 'final_val_loss' in r), None)
+
+
+# ---- checkpoints: written atomically, read by one loader -----------------------------------------
+
+def save_checkpoint(obj, path):
+    """torch.save to a temp file, fsync, then rename: a crash or Ctrl-C mid-save keeps the old file."""
+    tmp = path + '.tmp'
+    try:
+        with open(tmp, 'wb') as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+CHECKPOINT_KEYS = ('model', 'model_args')  # what every checkpoint holds; train.py's also optimizer, iter_num, config
+
+
+def load_checkpoint(path, device='cpu'):
+    """The dict that train.py or fold.py saved at path, tensors on device (weights_only: no
+    code runs). The one loader every script uses; SystemExit with one line that says what is
+    wrong: no file (a run folder names its ckpt.pt), not a readable checkpoint, missing keys.
+    """
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, 'ckpt.pt')):
+        raise SystemExit(f"{path} is a run folder: pass its checkpoint, {os.path.join(path, 'ckpt.pt')}")
+    if not os.path.isfile(path):
+        raise SystemExit(f"checkpoint {path} not found: train.py writes OUT_DIR/ckpt.pt, fold.py its --out")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except Exception:  # torch raises many kinds (UnpicklingError, EOFError, RuntimeError, ...)
+        raise SystemExit(f"{path} is not a readable checkpoint (truncated or corrupt); "
+                         "use another copy or retrain") from None
+    missing = [k for k in CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise SystemExit(f"{path} is not a tapernorm checkpoint: it lacks {', '.join(missing)}")
+    return ckpt
+
+
+def model_from_state_dict(state_dict, model_args):
+    """A model built from GPTConfig(**model_args) with state_dict loaded, in eval mode and
+    in the phase its buffers imply."""
+    model = GPT(GPTConfig(**model_args))
+    model.load_state_dict(state_dict)
+    model.set_phase(model.implied_phase())
+    return model.eval()
+
+def load_model(path, device='cpu'):
+    """Load a train.py or fold.py checkpoint for inference: returns (model in eval mode,
+    in the phase its buffers imply, the checkpoint dict). Errors as load_checkpoint."""
+    ckpt = load_checkpoint(path, device)
+    return model_from_state_dict(ckpt['model'], ckpt['model_args']).to(device), ckpt

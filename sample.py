@@ -18,7 +18,8 @@ import torch
 
 from configurator import ConfigError, configure, resolve_device
 from data.common import decode, encode_prompt
-from model import GPT
+from model import unfused
+from runs import load_model
 
 # -----------------------------------------------------------------------------
 ckpt = ''                   # a train.py or fold.py checkpoint
@@ -63,9 +64,9 @@ def main(argv):
     dev, dt = resolve_device(cfg.device, cfg.dtype)
     torch.manual_seed(cfg.seed)
 
-    model, ck = GPT.from_checkpoint(cfg.ckpt, dev)
+    model, ck = load_model(cfg.ckpt, dev)
     if model.phase == 'linear' and not model.config.folded:
-        model.unfused()  # g = 0: the tapered norms are one multiply each
+        unfused(model)  # g = 0: the tapered norms are one multiply each
     model.to(dtype=getattr(torch, dt))  # inference in the weights' dtype: the KV cache takes it too
     if cfg.compile:
         model.compile()  # in place: generate()'s prefill and decode steps run compiled (one graph each)

@@ -41,10 +41,11 @@ import torch
 
 from baselines import fakeln_step, remove_norms
 from configurator import ConfigError, check_compiler, configure, defaults_of, keys_set
-from gpt2 import GPT2_MODELS, PRETRAINED_SHAPE, PretrainedError, pretrained_args
-from model import FAKELN_EVENTS, GPT, GPTConfig, save_checkpoint
+from gpt2 import GPT2_MODELS, PRETRAINED_SHAPE, PretrainedError, from_pretrained, pretrained_args
+from model import FAKELN_EVENTS, GPT, GPTConfig
 from runs import (StopSignal, batch_rng, claim_out_dir, compile_model, end_processes, final_losses, final_record,
-                  find_dataset, log, resume_config, setup, windows, wrap_ddp)
+                  find_dataset, log, model_from_state_dict, resume_config, save_checkpoint, setup, windows,
+                  wrap_ddp)
 
 # -----------------------------------------------------------------------------
 # data
@@ -261,6 +262,16 @@ def get_batch(folder, split, rng, batch_size, block_size, device):
 
 # ---- the model, a training step, evaluation ----------------------------------------------
 
+def configure_optimizer(model, weight_decay, learning_rate, betas, device_type):
+    """AdamW; matrices and embeddings decay, gains and biases (γ, β, γ̃, β̃) do not."""
+    params = [p for p in model.parameters()]  # all, including those frozen in this phase
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{'params': decay, 'weight_decay': weight_decay},
+              {'params': no_decay, 'weight_decay': 0.0}]
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
+
+
 def build_model(cfg, model_args, ckpt, env):
     """(model on env.dev, its AdamW): random weights (scratch; seeded), the checkpoint's weights and
     optimizer state (resume), or a pretrained GPT-2's (init_from=NAME|FOLDER, model_args on top);
@@ -272,12 +283,12 @@ def build_model(cfg, model_args, ckpt, env):
             model.load_state_dict(ckpt['model'])
     else:
         try:
-            model = GPT.from_pretrained(cfg.init_from, model_args)
+            model = from_pretrained(cfg.init_from, model_args)
         except PretrainedError as e:
             raise SystemExit(f"init_from={cfg.init_from}: {e}") from None
     model.to(env.dev)
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
-                                           env.device_type)
+    optimizer = configure_optimizer(model, cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
+                                    env.device_type)
     if ckpt is not None:
         optimizer.load_state_dict(ckpt['optimizer'])
     return model, optimizer
@@ -430,7 +441,7 @@ def main(argv):
     if done is not None:  # resumed after its end: nothing to redo
         print(f"{cfg.out_dir} is a finished run ({iter_num} of {cfg.max_iters} steps, final_val_loss "
               f"{done['final_val_loss']:.4f}): nothing to train or evaluate; a longer run is a new run")
-        return GPT.from_state_dict(ckpt['model'], ckpt['model_args'])
+        return model_from_state_dict(ckpt['model'], ckpt['model_args'])
     lock = claim_out_dir(cfg, iter_num) if env.master else None  # noqa: F841 (held until the process ends)
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
 

@@ -7,7 +7,7 @@ import torch
 
 import bench
 import fold
-from model import save_checkpoint
+from runs import save_checkpoint
 
 TINY = ['--size=', '--n_layer=2', '--n_embd=32', '--n_head=2', '--vocab_size=128', '--block_size=64',
         '--prompt_len=8', '--new_tokens=8', '--trials=2', '--compile=eager', '--device=cpu']

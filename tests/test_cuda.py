@@ -23,7 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402
 import fold  # noqa: E402
 import train  # noqa: E402
-from model import GPT, load_checkpoint  # noqa: E402
+from model import unfused  # noqa: E402
+from runs import load_checkpoint, load_model  # noqa: E402
 from test_ddp import localhost_works  # noqa: E402
 
 
@@ -143,8 +144,8 @@ def test_fold_and_sample_on_cuda(trained, tmp_path, exact_fp32):
     folded_path = tmp_path / 'folded.pt'
     report = fold.main([f'--ckpt={out / "ckpt.pt"}', f'--out={folded_path}', '--device=cuda'])
     assert report['max_abs_logit_diff'] <= 1e-3 * report['max_abs_logit']
-    unfolded, _ = GPT.from_checkpoint(str(out / 'ckpt.pt'), 'cuda')
-    folded, _ = GPT.from_checkpoint(str(folded_path), 'cuda')
+    unfolded, _ = load_model(str(out / 'ckpt.pt'), 'cuda')
+    folded, _ = load_model(str(folded_path), 'cuda')
     prompt = torch.randint(1, 2048, (2, 8), device='cuda', generator=torch.Generator('cuda').manual_seed(0))
     a = unfolded.eval().generate(prompt, 24, temperature=0)
     b = folded.eval().generate(prompt, 24, temperature=0)
@@ -157,8 +158,8 @@ def test_fold_and_sample_on_cuda(trained, tmp_path, exact_fp32):
 
 def test_compiled_decode_with_cuda_graphs_gives_eager_greedy_tokens_in_fp32(trained, exact_fp32):
     out = trained[0]
-    model, _ = GPT.from_checkpoint(str(out / 'ckpt.pt'), 'cuda')
-    model = model.eval().unfused()
+    model, _ = load_model(str(out / 'ckpt.pt'), 'cuda')
+    model = unfused(model.eval())
     prompt = torch.randint(1, 2048, (4, 32), device='cuda', generator=torch.Generator('cuda').manual_seed(2))
     runs = {}
     for compiled in (False, True):

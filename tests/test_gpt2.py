@@ -26,8 +26,9 @@ import train
 from test_data import load_script
 from test_train import interrupt_at, linear_phase_model, read_log
 from baselines import FakeNorm, fakeln_step, fakenorms, remove_norms
-from gpt2 import PretrainedError, export_gpt2 as export, pretrained_args
+from gpt2 import PretrainedError, export_gpt2 as export, from_pretrained, pretrained_args
 from model import FAKELN_EVENTS, GPT, GPTConfig, TaperNorm
+from runs import load_model
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / 'data'))
@@ -86,7 +87,7 @@ def hf_logits(hf, x):
 @needs_transformers
 def test_pretrained_gpt2_loads_with_transformers_logits_and_greedy_tokens(gpt2_folder):
     folder, hf = gpt2_folder
-    model = GPT.from_pretrained(str(folder)).eval()
+    model = from_pretrained(str(folder)).eval()
     c = model.config
     assert (c.n_layer, c.n_head, c.n_embd, c.vocab_size, c.block_size) == (2, 2, 32, 64, 32)
     assert (c.norm, c.norm_eps, c.bias, c.activation) == ('layernorm', 1e-5, True, 'gelu_tanh')
@@ -104,7 +105,7 @@ def test_pretrained_gpt2_loads_with_transformers_logits_and_greedy_tokens(gpt2_f
 @needs_transformers
 def test_gpt2s_tanh_gelu_is_what_makes_the_logits_equal_and_the_default_stays_exact(gpt2_folder):
     folder, hf = gpt2_folder
-    model = GPT.from_pretrained(str(folder)).eval()
+    model = from_pretrained(str(folder)).eval()
     for block in model.transformer.h:
         block.mlp.approximate = 'none'  # the exact GELU in place of GPT-2's gelu_new
     x = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(2))
@@ -117,7 +118,7 @@ def test_gpt2s_tanh_gelu_is_what_makes_the_logits_equal_and_the_default_stays_ex
 @needs_transformers
 def test_a_smaller_block_size_crops_the_position_embedding(gpt2_folder):
     folder, hf = gpt2_folder
-    model = GPT.from_pretrained(str(folder), {'block_size': 16}).eval()
+    model = from_pretrained(str(folder), {'block_size': 16}).eval()
     assert model.transformer.wpe.weight.shape == (16, 32)
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -148,7 +149,7 @@ def test_what_cannot_be_loaded_says_why(tmp_path):
         pretrained_args(str(tmp_path))
     with pytest.raises(PretrainedError, match="cannot load the weights"):  # a config without weights
         GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=10).save_pretrained(tmp_path)
-        GPT.from_pretrained(str(tmp_path))
+        from_pretrained(str(tmp_path))
 
 
 def test_without_transformers_the_error_says_pip_install_transformers(monkeypatch, tmp_path):
@@ -164,7 +165,7 @@ def test_without_transformers_the_error_says_pip_install_transformers(monkeypatc
 @needs_transformers
 def test_taperln_at_gate_one_is_the_pretrained_layernorm_and_calibrates_on_its_activations(gpt2_folder):
     folder, hf = gpt2_folder
-    model = GPT.from_pretrained(str(folder), {'taper': 'all', 'aux_weight': 0.1}).eval()
+    model = from_pretrained(str(folder), {'taper': 'all', 'aux_weight': 0.1}).eval()
     assert model.phase == 'warmup' and all(isinstance(m, TaperNorm) for _, m in model.tapernorms())
     x = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
@@ -203,13 +204,13 @@ def test_export_then_load_gives_the_same_logits(kind, gpt2_folder, tmp_path):
              'no_bias': lambda: GPT(GPTConfig(**shape, bias=False)),
              'warmup_taper': lambda: GPT(GPTConfig(**shape, taper='internal', activation='gelu_tanh')),
              'fakeln_before_removal': lambda: GPT(GPTConfig(**shape, norm_removal='fakeln')),
-             'pretrained': lambda: GPT.from_pretrained(str(gpt2_folder[0]))}[kind]().eval()
+             'pretrained': lambda: from_pretrained(str(gpt2_folder[0]))}[kind]().eval()
     with torch.no_grad():  # gains and biases away from 1 and 0, so that a dropped one shows
         for n, p in model.named_parameters():
             if '.ln_' in n and '_tilde' not in n:
                 p.add_(0.3 * torch.randn_like(p))
     export(model, str(tmp_path))
-    back = GPT.from_pretrained(str(tmp_path)).eval()
+    back = from_pretrained(str(tmp_path)).eval()
     assert back.config.activation == model.config.activation and back.config.block_size == model.config.block_size
     x = torch.randint(0, model.config.vocab_size, (2, model.config.block_size))
     with torch.no_grad():
@@ -292,7 +293,7 @@ def test_train_from_a_pretrained_folder_takes_its_shape_and_starts_from_its_weig
     log = read_log(out)
     assert [r['iter'] for r in log if r.get('event') == 'calibrate'] == [2]
     # the first validation loss is the pretrained model's: same batches, its own weights
-    pretrained = GPT.from_pretrained(str(folder), {'block_size': 16}).eval()
+    pretrained = from_pretrained(str(folder), {'block_size': 16}).eval()
     cfg, losses = train.load_config(toy_args(toy_data, out)), []
     for k in range(cfg.eval_iters):
         x, y = train.get_batch(str(toy_data / 'toy'), 'val', train.batch_rng(cfg.seed, 1, k), 4, 16, 'cpu')
@@ -497,7 +498,7 @@ def test_a_fakeln_run_logs_its_events_folds_and_resumes_exactly(toy_data, tmp_pa
     assert {r['phase'] for r in log if 'loss' in r} == {'baseline'}
     ckpt = torch.load(straight / 'ckpt.pt', weights_only=True)
     assert ckpt['model']['fakeln_stage'].item() == 4 and 'transformer.ln_f.std' in ckpt['model']
-    loaded, _ = GPT.from_checkpoint(str(straight / 'ckpt.pt'))
+    loaded, _ = load_model(str(straight / 'ckpt.pt'))
     assert all(m.removed and not m.first_position for _, m in fakenorms(loaded))
     assert torch.equal(loaded.transformer.ln_f.std, model.transformer.ln_f.std)
 

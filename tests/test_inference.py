@@ -13,8 +13,9 @@ import configurator
 import fold
 import sample
 import train
-from model import (GPT, GPTConfig, TaperNorm, TaperScale, decode_n_tokens, decode_one_token, prefill,
-                   sample_next, save_checkpoint)
+from model import (GPT, GPTConfig, TaperNorm, TaperScale, decode_n_tokens, decode_one_token, prefill, sample_next,
+                   unfused)
+from runs import load_model, save_checkpoint
 
 KINDS = ['rmsnorm', 'layernorm']
 TAPERS = ['internal', 'all']
@@ -222,11 +223,11 @@ def test_unfused_and_folded_logits_equal_the_linear_phase(kind, taper):
     with torch.no_grad():
         reference, _ = model(x, x)
         folded, _ = fold.fold_model(model)(x, x)
-        unfused, _ = model.unfused()(x, x)
+        unfused_logits, _ = unfused(model)(x, x)
     scale = reference.abs().max().item()
     assert scale > 2  # logits far from zero: a wrong fold would show
     assert_close(folded, reference, rtol=1e-5, atol=1e-5 * scale)
-    assert_close(unfused, reference, rtol=1e-5, atol=1e-5 * scale)
+    assert_close(unfused_logits, reference, rtol=1e-5, atol=1e-5 * scale)
     assert not any(isinstance(m, TaperNorm) for m in model.modules())
     assert sum(isinstance(m, TaperScale) for m in model.modules()) == 4 + (taper == 'all')
 
@@ -262,7 +263,7 @@ def test_folded_head_is_untied_and_stays_untied_through_a_checkpoint(tmp_path):
     assert folded.lm_head.bias is not None  # W β̃ of the folded LN
     path = str(tmp_path / 'folded.pt')
     save_checkpoint({'model': folded.state_dict(), 'model_args': vars(folded.config)}, path)
-    loaded, _ = GPT.from_checkpoint(path)
+    loaded, _ = load_model(path)
     assert loaded.lm_head.weight is not loaded.transformer.wte.weight
     assert torch.equal(loaded.lm_head.weight, head) and torch.equal(loaded.transformer.wte.weight, wte)
     assert loaded.phase == 'linear'
@@ -418,7 +419,7 @@ def test_unfused_needs_the_linear_phase():
     model.set_phase('taper')
     model.set_gate(0.5)
     with pytest.raises(RuntimeError, match=r"phase 'taper' with g = 0.5"):
-        model.unfused()
+        unfused(model)
 
 
 def test_generate_argument_checks():

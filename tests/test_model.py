@@ -329,7 +329,7 @@ def test_a_dyt_model_has_a_dyt_at_every_norm_with_the_papers_alpha0():
     loss.backward()
     assert all(m.alpha.grad is not None and m.alpha.grad.abs() > 0 for m in norms.values())  # α learns
     # α, γ and β are gains and biases: no weight decay
-    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    opt = train.configure_optimizer(model, 0.1, 1e-3, (0.9, 0.95), 'cpu')
     no_decay = {id(p) for g in opt.param_groups if g['weight_decay'] == 0 for p in g['params']}
     assert all(id(p) in no_decay for m in norms.values() for p in m.parameters())
     for bad in (dict(taper='internal'), dict(norm_removal='fakeln')):
@@ -391,7 +391,7 @@ def test_norm_scale_is_the_root_of_mean_square_plus_eps_by_hand():
 def test_gains_and_biases_get_no_weight_decay():
     """docs/method.md §1: γ, β, γ̃, β̃ (and every Linear bias) are excluded; matrices and embeddings decay."""
     model = tiny('layernorm', taper='all')
-    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    opt = train.configure_optimizer(model, 0.1, 1e-3, (0.9, 0.95), 'cpu')
     decay = {id(p): g['weight_decay'] for g in opt.param_groups for p in g['params']}
     for name, p in model.named_parameters():
         gain_or_bias = name.endswith(('weight_tilde', 'bias_tilde', '.bias')) or '.ln_' in name

@@ -14,7 +14,7 @@ import torch
 
 import configurator
 import train
-from model import GPT, load_checkpoint
+from runs import load_checkpoint, load_model
 from test_train import read_log, toy_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -231,7 +231,7 @@ def test_a_checkpoint_from_before_the_calibration_key_loads_and_resumes_as_ema(t
     for key in ('calibration', 'calib_batches', 'overwrite'):
         del ckpt['config'][key]
     torch.save(ckpt, out / 'ckpt.pt')
-    model, _ = GPT.from_checkpoint(str(out / 'ckpt.pt'))
+    model, _ = load_model(str(out / 'ckpt.pt'))
     assert model.phase == 'linear'
     resumed = train.main([f'--out_dir={out}', '--init_from=resume'])
     assert torch.equal(resumed.lm_head.weight, model.lm_head.weight)

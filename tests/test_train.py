@@ -15,7 +15,8 @@ from torch.overrides import TorchFunctionMode
 import runs
 import train
 import configurator
-from model import GPT, GPTConfig, save_checkpoint
+from model import GPT, GPTConfig
+from runs import load_model, save_checkpoint
 from train import get_gate, get_lr, get_phase, load_config
 
 
@@ -405,7 +406,7 @@ def test_final_losses_cover_the_whole_val_split_and_as_many_train_windows(toy_da
     out = tmp_path / 'run'
     train.main(toy_args(toy_data, out, max_iters=12, block_size=16))
     final = read_log(out)[-1]
-    model, _ = GPT.from_checkpoint(str(out / 'ckpt.pt'))
+    model, _ = load_model(str(out / 'ckpt.pt'))
     val = np.fromfile(toy_data / 'toy' / 'val.bin', dtype=np.uint16).astype(np.int64)
     train_data = np.fromfile(toy_data / 'toy' / 'train.bin', dtype=np.uint16).astype(np.int64)
     n = (len(val) - 1) // 16  # every whole window of the split
