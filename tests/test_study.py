@@ -211,7 +211,7 @@ def test_a_table_refuses_cells_of_two_datasets_or_two_preparations():
 def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_once():
     tokens_per_step = 16 * 128  # config/cpu.py: batch 16 × context 128, one process
     cells = study.MATRICES['ladder']
-    assert len(cells) == 2 * 4 * 3  # block 1: two variants × four points × three rates
+    assert len(cells) == 2 * (4 * 3 + 1)  # block 1: two variants × four points × three rates, one point a fourth
     for name, args in cells.items():
         cfg = study.cell_config(args)
         v, size, budget, lr, seed = name.split('-')
