@@ -386,6 +386,7 @@ def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters):
     ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
+
 @torch.no_grad()
 def calibrate_event(fwd_model, raw_model, folder, cfg, env):
     """docs/method.md §3: c and s_tgt from the model as it is ('end': calib_batches forwards of
