@@ -353,7 +353,7 @@ def main(argv):
           f"mode=decode batch_size={B} prompt_len={P} new_tokens={N} | trials={cfg.trials} (+2 warm-up) | "
           f"{' and '.join('compiled' if f else 'eager' for f in flags)}")
     if cfg.trials < 5:
-        print(f"  note: {cfg.trials} trials; medians of fewer than 5 are noisy")
+        print(f"  note: {cfg.trials} trial{'s' * (cfg.trials != 1)}; medians of fewer than 5 are noisy")
     if about:
         print(f"  ckpt {about}")
 

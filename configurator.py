@@ -59,8 +59,14 @@ def check_type(key, value, default, where, choices=None):
     return value
 
 
+# names other training scripts use for a key of ours, which spelling distance alone misses
+ALIASES = {'lr': 'learning_rate', 'steps': 'max_iters', 'iters': 'max_iters', 'bs': 'batch_size',
+           'wd': 'weight_decay', 'seq_len': 'block_size', 'context_length': 'block_size',
+           'd_model': 'n_embd', 'n_layers': 'n_layer', 'n_heads': 'n_head', 'lambda': 'aux_weight'}
+
+
 def unknown_key(key, known, where):
-    close = difflib.get_close_matches(key, known, n=1)
+    close = [ALIASES[key]] if ALIASES.get(key) in known else difflib.get_close_matches(key, known, n=1)
     hint = f"; did you mean --{close[0]}?" if close else "; -h lists the keys"
     return ConfigError(f"{where}: unknown config key {key!r}{hint}")
 

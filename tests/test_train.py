@@ -99,7 +99,8 @@ def test_config_files_compose_and_overrides_win():
 
 
 @pytest.mark.parametrize('args, message', [
-    (['--n_layers=4'], "unknown config key 'n_layers'"),
+    (['--n_layers=4'], "unknown config key 'n_layers'; did you mean --n_layer"),
+    (['--lr=1e-3'], "unknown config key 'lr'; did you mean --learning_rate"),  # another codebase's name
     (['--n_layer=4.5'], 'n_layer=4.5 is of type float'),
     (['--bias=1'], 'bias=1 is of type int'),
     (['--compile=1'], 'compile=1'),
