@@ -440,8 +440,10 @@ def main(argv):
     iter_num = ckpt['iter_num'] if ckpt is not None else 0
     done = final_record(cfg.out_dir) if iter_num >= cfg.max_iters else None
     if done is not None:  # resumed after its end: nothing to redo
-        print(f"{cfg.out_dir} is a finished run ({iter_num} of {cfg.max_iters} steps, final_val_loss "
-              f"{done['final_val_loss']:.4f}): nothing to train or evaluate; a longer run is a new run")
+        if env.master:
+            print(f"{cfg.out_dir} is a finished run ({iter_num} of {cfg.max_iters} steps, final_val_loss "
+                  f"{done['final_val_loss']:.4f}): nothing to train or evaluate; a longer run is a new run")
+        end_processes(env)
         return model_from_state_dict(ckpt['model'], ckpt['model_args'])
     lock = claim_out_dir(cfg, iter_num) if env.master else None  # noqa: F841 (held until the process ends)
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')

@@ -28,8 +28,9 @@ def localhost_works():
 def test_two_process_gloo_run_agrees_on_c(toy_data, tmp_path):
     out = tmp_path / 'ddp'
     worker = os.path.join(os.path.dirname(__file__), 'ddp_worker.py')
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', worker,
-           *toy_args(toy_data, out, backend='gloo', max_iters=12, gate_warmup_iters=3, taper_iters=5)]
+    torchrun = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2']
+    args = toy_args(toy_data, out, backend='gloo', max_iters=12, gate_warmup_iters=3, taper_iters=5)
+    cmd = [*torchrun, worker, *args]
     env = dict(os.environ, OMP_NUM_THREADS='1')
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
@@ -54,3 +55,9 @@ def test_two_process_gloo_run_agrees_on_c(toy_data, tmp_path):
     assert len(calib) == 1 and calib[0]['c'] == ranks[0]['c']
     # 4 sequences × 16 tokens × 2 micro-steps × 2 ranks per step
     assert 'world=2' in proc.stdout and '256 tokens/iter' in proc.stdout
+    # resumed after its end, the run says so once (rank 0) and every rank leaves cleanly
+    train_py = os.path.join(os.path.dirname(os.path.dirname(worker)), 'train.py')
+    again = subprocess.run([*torchrun, train_py, *args, '--init_from=resume'],
+                           capture_output=True, text=True, timeout=180, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count('is a finished run (12 of 12 steps') == 1, again.stdout
