@@ -427,7 +427,7 @@ def ladder_table(cells, args):
             paired = [100 * (c['final_val_loss'] / base[1][s]['final_val_loss'] - 1) for s, c in done.items()
                       if base and v != 'baseline' and base[1].get(s, {}).get('status') == 'finished']
             loss = fmt(mean_sd([c['final_val_loss'] for c in done.values()])) if done else '—'
-            lines.append(f"| {size} | {budget} | {v} | {grid} | {lr:g} {note} | {loss} ({','.join(map(str, sorted(done)))}) | "
+            lines.append(f"| {size} | {budget} | {v} | {grid} | {lr:g}{' ' * bool(note)}{note} | {loss} ({','.join(map(str, sorted(done)))}) | "
                          f"{fmt(mean_sd(paired), pct=True) if paired else '—'} |")
     return '\n'.join(lines)
 
