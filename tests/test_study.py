@@ -237,7 +237,7 @@ def test_ladder_table_pairs_each_variant_at_its_best_rate_with_the_baselines():
              'internal-1M-t3M-lr0.008-s1': cell(4.75),
              'internal-1M-t3M-lr0.016-s1': {'status': 'diverged', 'diverged_at': 300}}
     rows = study.ladder_table(cells, {n: [] for n in cells}).splitlines()[2:]
-    assert rows[0] == ('| 1M | 3M | baseline | 0.004: 5.0000, 0.008: 4.8000, 0.016: 4.9000 | 0.008  | '
+    assert rows[0] == ('| 1M | 3M | baseline | 0.004: 5.0000, 0.008: 4.8000, 0.016: 4.9000 | 0.008 | '
                        '4.8000 (1) | — |')
     # best at the grid's edge is marked; 4.7 / 4.8 − 1 = −2.08 %
     assert rows[1] == ('| 1M | 3M | internal | 0.004: 4.7000, 0.008: 4.7500, 0.016: diverged at 300 | 0.004 edge | '
