@@ -109,6 +109,30 @@ def ladder_cells(variants, size, budget, lrs, seeds=(1,)):
 LADDER_LRS = {('1M', '3M'): (4e-3, 8e-3, 1.6e-2), ('1M', '9M'): (4e-3, 8e-3, 1.6e-2),
               ('0.4M', '3M'): (8e-3, 1.6e-2, 3.2e-2, 6.4e-2), ('0.4M', '18M'): (8e-3, 1.6e-2, 3.2e-2)}
 LADDER_POINTS = (('0.4M', '3M'), ('1M', '3M'), ('1M', '9M'), ('0.4M', '18M'))  # the order cells start in
+LONG_POINTS = (('1M', '9M'), ('0.4M', '18M'))  # where blocks 2 and 5 run
+EMA_POINT = ('1M', '9M')                        # where blocks 3 and 6 run
+
+# block 1's best rates, each bracketed, entered here as each point's grid finishes (test_study
+# checks every entry against study/results.json); blocks 2-6 run at them
+LADDER_BEST = {('0.4M', '3M'): {'baseline': 3.2e-2, 'internal': 1.6e-2}}
+
+
+def ladder_blocks(best):
+    """{cell name: train.py arguments} of part 3's blocks 2-6 at the points of best
+    ({(size, budget): {'baseline': lr, 'internal': lr}}), in the blocks' order of priority:
+    (2) seeds 2 and 3 of both at their best rates at the long points; (3) Internal-Taper with the
+    paper's calibration='ema', seeds 1-3 at its best rate at EMA_POINT; (4) All-Taper at
+    Internal-Taper's best rate at every point; (5) DyT at block 1's grid at the long points;
+    (6) the relative anchor (beyond the paper) at the baseline's best rate at EMA_POINT, seeds 1-2."""
+    at = lambda v, point, lrs, seeds=(1,): ladder_cells((v,), *point, lrs, seeds)
+    blocks = [[at(v, p, (best[p][v],), (2, 3)) for p in LONG_POINTS if p in best for v in ('baseline', 'internal')],
+              [at('internal_ema', p, (best[p]['internal'],), (1, 2, 3)) for p in (EMA_POINT,) if p in best],
+              [at('all', p, (best[p]['internal'],)) for p in LADDER_POINTS if p in best],
+              [at('dyt', p, LADDER_LRS[p]) for p in LONG_POINTS if p in best],
+              [{**at('internal_rel', p, (best[p]['baseline'],), (1, 2)), **at('internal', p, (best[p]['baseline'],))}
+               for p in (EMA_POINT,) if p in best]]  # the absolute cell at that rate: block 1's when it is in its grid
+    return {n: a for block in blocks for cells in block for n, a in cells.items()}
+
 
 LRS = (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)  # 1.6e-2: the baseline was still improving at 8e-3
 SHORT = ['--gate_warmup_iters=20', '--taper_iters=50']  # W = 20, T = 50 in the same 1500-step run
@@ -154,12 +178,13 @@ MATRICES = {
                                                    '--gate_warmup_iters=30', '--taper_iters=150',
                                                    '--eval_interval=100', '--log_interval=1']
                for v in ('baseline', 'internal', 'all')},
-    # part 3, block 1: baseline and Internal-Taper at three learning rates at each point of the
-    # budget ladder, seed 1; the two 1M cells at 9M tokens first, so that the long cells start
-    # while the short points run beside them
+    # part 3. Block 1: baseline and Internal-Taper at three learning rates at each point of the
+    # budget ladder, seed 1 (the two 1M cells at 9M tokens first, so that the long cells start
+    # while the short points run beside them); then blocks 2-6 where block 1's best rates are known
     'ladder': {**ladder_cells(('baseline', 'internal'), '1M', '9M', (8e-3,)),
                **{n: a for size, budget in LADDER_POINTS
-                  for n, a in ladder_cells(('baseline', 'internal'), size, budget, LADDER_LRS[size, budget]).items()}},
+                  for n, a in ladder_cells(('baseline', 'internal'), size, budget, LADDER_LRS[size, budget]).items()},
+               **ladder_blocks(LADDER_BEST)},
     # a two-cell matrix of a few seconds on the toy data of the tests
     'tiny': {f'{v}-end-s1': ['--dataset=toy', '--device=cpu', '--n_layer=1', '--n_head=1', '--n_embd=16',
                              '--block_size=16', '--batch_size=2', '--gradient_accumulation_steps=1',

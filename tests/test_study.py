@@ -211,7 +211,8 @@ def test_a_table_refuses_cells_of_two_datasets_or_two_preparations():
 def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_once():
     tokens_per_step = 16 * 128  # config/cpu.py: batch 16 × context 128, one process
     cells = study.MATRICES['ladder']
-    assert len(cells) == 2 * (4 * 3 + 1)  # block 1: two variants × four points × three rates, one point a fourth
+    block1 = [n for n in cells if n.split('-')[0] in ('baseline', 'internal') and n.endswith('-s1')]
+    assert len(block1) == 2 * (4 * 3 + 1)  # two variants × four points × three rates, one point a fourth
     for name, args in cells.items():
         cfg = study.cell_config(args)
         v, size, budget, lr, seed = name.split('-')
@@ -224,10 +225,40 @@ def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_o
         assert (cfg['gate_warmup_iters'], cfg['warmup_iters'], cfg['taper_iters'], cfg['lr_decay_iters']) == \
             (n // 10, n // 10, n // 2, n), name
         assert cfg['learning_rate'] == float(lr[2:]) and cfg['min_lr'] == pytest.approx(cfg['learning_rate'] / 10)
-        assert (cfg['taper'], cfg['aux_weight']) == {'baseline': ('none', 0.0), 'internal': ('internal', 0.1)}[v]
-        assert v == 'baseline' or '--calibration=end' in args, name  # every tapered cell names its calibration
+        assert (cfg['taper'], cfg['aux_weight'], cfg['norm'], cfg['calibration'], cfg['aux_form']) == {
+            'baseline': ('none', 0.0, 'rmsnorm', 'end', 'absolute'), 'internal': ('internal', 0.1, 'rmsnorm', 'end', 'absolute'),
+            'all': ('all', 0.1, 'rmsnorm', 'end', 'absolute'), 'internal_ema': ('internal', 0.1, 'rmsnorm', 'ema', 'absolute'),
+            'internal_rel': ('internal', 0.1, 'rmsnorm', 'end', 'relative'), 'dyt': ('none', 0.0, 'dyt', 'end', 'absolute')}[v]
     # the longest run still fits in one pass of mix7's 18,508,995 training tokens (the refusal is train.py's)
     assert max(study.cell_config(a)['max_iters'] for a in cells.values()) * 16 <= (18_508_995 - 1) // 128
+
+
+def test_blocks_2_to_6_run_at_block_1s_best_rates_in_the_order_of_priority():
+    best = {('0.4M', '3M'): {'baseline': 0.03, 'internal': 0.02}, ('1M', '9M'): {'baseline': 0.01, 'internal': 0.005},
+            ('0.4M', '18M'): {'baseline': 0.04, 'internal': 0.04}}
+    names = list(study.ladder_blocks(best))
+    assert names == [
+        'baseline-1M-t9M-lr0.01-s2', 'baseline-1M-t9M-lr0.01-s3', 'internal-1M-t9M-lr0.005-s2', 'internal-1M-t9M-lr0.005-s3',
+        'baseline-0.4M-t18M-lr0.04-s2', 'baseline-0.4M-t18M-lr0.04-s3',
+        'internal-0.4M-t18M-lr0.04-s2', 'internal-0.4M-t18M-lr0.04-s3',                                     # block 2
+        'internal_ema-1M-t9M-lr0.005-s1', 'internal_ema-1M-t9M-lr0.005-s2', 'internal_ema-1M-t9M-lr0.005-s3',  # 3
+        'all-0.4M-t3M-lr0.02-s1', 'all-1M-t9M-lr0.005-s1', 'all-0.4M-t18M-lr0.04-s1',                           # 4
+        'dyt-1M-t9M-lr0.004-s1', 'dyt-1M-t9M-lr0.008-s1', 'dyt-1M-t9M-lr0.016-s1',
+        'dyt-0.4M-t18M-lr0.008-s1', 'dyt-0.4M-t18M-lr0.016-s1', 'dyt-0.4M-t18M-lr0.032-s1',                    # 5
+        'internal_rel-1M-t9M-lr0.01-s1', 'internal_rel-1M-t9M-lr0.01-s2', 'internal-1M-t9M-lr0.01-s1']          # 6
+    assert list(study.ladder_blocks({})) == []  # nothing runs before its point's best rates are known
+
+
+def test_the_declared_best_rates_are_block_1s_bracketed_best():
+    with open(os.path.join(study.ROOT, 'study', 'results.json')) as f:
+        cells = json.load(f)['cells']
+    grid = {n: a for n, a in study.MATRICES['ladder'].items()  # block 1: seed 1 of both
+            if n.split('-')[0] in ('baseline', 'internal') and n.endswith('-s1')}
+    measured = study.ladder_best({n: c for n, c in cells.items() if n in grid}, grid)
+    for point, rates in study.LADDER_BEST.items():
+        for v, lr in rates.items():
+            best, _, note = measured[point][v]
+            assert (best, note) == (lr, ''), (point, v)  # '' : bracketed, and its grid has finished
 
 
 def test_ladder_table_pairs_each_variant_at_its_best_rate_with_the_baselines():
