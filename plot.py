@@ -70,22 +70,29 @@ def ladder_plot(plt, results_path, out, title):
             continue
         c = study.cell_config(next(a for n, a in args.items() if n.split('-')[1:3] == [size, 't' + budget]))
         tokens = c['max_iters'] * c['batch_size'] * c['block_size'] * c['gradient_accumulation_steps']
-        for v, (lr, by_seed, _) in by_v.items():
+        for v, (lr, by_seed, note) in by_v.items():
             gaps = [100 * (x['final_val_loss'] / base[1][s]['final_val_loss'] - 1) for s, x in by_seed.items()
                     if x['status'] == 'finished' and base[1].get(s, {}).get('status') == 'finished']
             if v != 'baseline' and gaps:
                 lines.setdefault((size, v), []).append((tokens, gaps, [x['final_val_loss'] for x in by_seed.values()
-                                                                       if x['status'] == 'finished']))
+                                                                       if x['status'] == 'finished'],
+                                                        bool(note or base[2])))  # a best rate not yet settled
     variants = sorted({v for _, v in lines})
     for (size, v), points in sorted(lines.items()):
         points.sort()
         xs = [p[0] for p in points]
         ys = [sum(p[1]) / len(p[1]) for p in points]
         err = [(max(p[1]) - min(p[1])) / 2 if len(p[1]) > 1 else 0 for p in points]
-        ax.errorbar(xs, ys, yerr=err, marker='os^v'[sorted({s for s, _ in lines}).index(size) % 4], capsize=3,
-                    color=f'C{variants.index(v)}', ls='-' if size == '1M' else '--', label=f'{v}, {size} model')
+        marker, color = 'os^v'[sorted({s for s, _ in lines}).index(size) % 4], f'C{variants.index(v)}'
+        ax.errorbar(xs, ys, yerr=err, marker=marker, capsize=3, color=color, ls='-' if size == '1M' else '--',
+                    label=f'{v}, {size} model')
         for x, y, p in zip(xs, ys, points):
             ax.annotate(f"{sum(p[2]) / len(p[2]):.3f}", (x, y), textcoords='offset points', xytext=(5, 4), fontsize=7)
+            if p[3]:
+                ax.plot(x, y, marker=marker, color=color, mfc='white', ls='none', zorder=3)
+    if any(p[3] for points in lines.values() for p in points):
+        ax.text(0.01, 0.01, 'hollow: a learning-rate grid still running, or a best rate at its edge',
+                transform=ax.transAxes, fontsize=7, color='0.3')
     ax.set_xscale('log')
     ax.set_xlabel('tokens seen (each variant at its best learning rate; beside each point: its final val loss)')
     ax.set_ylabel('final val loss vs RMSNorm baseline, paired (%)')

@@ -327,4 +327,9 @@ def test_the_ladder_plot_draws_each_variants_paired_gap_against_tokens(tmp_path)
     line = handles[labels.index('internal, 1M model')].lines[0]
     assert list(line.get_xdata()) == [1500 * 16 * 128]  # the 3M point: 1500 steps of 2,048 tokens
     assert list(line.get_ydata()) == [pytest.approx(100 * (4.7 / 4.8 - 1))]  # each at its best rate, paired
+    # Internal-Taper's best is the grid's smallest rate: the point is drawn hollow, and the plot says why
+    ax = plt.gcf().axes[0]
+    hollow = [ln for ln in ax.lines if ln.get_markerfacecolor() == 'white']
+    assert [(list(ln.get_xdata()), list(ln.get_ydata())) for ln in hollow] == [([1500 * 16 * 128], list(line.get_ydata()))]
+    assert any('at its edge' in t.get_text() for t in ax.texts)
     plt.close('all')
