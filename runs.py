@@ -35,7 +35,8 @@ def resume_config(argv, out_dir, defaults, choices, validate, free):
     """For --init_from=resume: (configuration, checkpoint). The configuration is the one stored
     in out_dir/ckpt.pt (over the script's defaults, for keys it predates), with argv's config files
     and overrides applied on top and checked by validate; keys outside `free` must keep their
-    stored values, else SystemExit listing every difference."""
+    stored values, else SystemExit listing every difference. An argv that sets schedule_scale is
+    resolved from the defaults, as its first run was: the command that started a run resumes it."""
     path = os.path.join(out_dir, 'ckpt.pt')
     if not os.path.exists(path):
         raise SystemExit(f"--init_from=resume: {path} not found; train from scratch first "
@@ -45,6 +46,8 @@ def resume_config(argv, out_dir, defaults, choices, validate, free):
     stored = {**defaults, 'calibration': 'ema', **ckpt['config']}
     try:
         cfg = parse_args(argv, stored, choices)
+        if cfg.get('schedule_scale', 1.0) != 1.0:  # given again: it scales the step counts of the files it
+            cfg = parse_args(argv, defaults, choices)  # comes with, not the stored, already scaled ones
         validate(cfg)
     except ConfigError as e:
         raise SystemExit(f"config error: {e}")

@@ -220,6 +220,12 @@ def test_schedule_scale_scales_every_step_count_once_and_a_resume_keeps_them(toy
     assert max(r['iter'] for r in read_log(out) if 'loss' in r) == 7
     train.main([f'--out_dir={out}', '--init_from=resume'])
     assert load_checkpoint(str(out / 'ckpt.pt'))['config']['max_iters'] == 8
+    # the command that started it resumes it: its scale is not applied to the stored counts
+    # (fakeln_interval, which toy_args leaves to its default 30, stored as 15, would become 8)
+    assert stored['fakeln_interval'] == 15
+    train.main(toy_args(toy_data, out, schedule_scale=0.5) + ['--init_from=resume'])
+    with pytest.raises(SystemExit, match=r' max_iters=4 \(stored: 8\).* would change the run'):
+        train.main(toy_args(toy_data, out, schedule_scale=0.25) + ['--init_from=resume'])
 
 
 def test_a_checkpoint_from_before_the_calibration_key_loads_and_resumes_as_ema(toy_data, tmp_path):
