@@ -212,7 +212,7 @@ def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_o
     tokens_per_step = 16 * 128  # config/cpu.py: batch 16 × context 128, one process
     cells = study.MATRICES['ladder']
     block1 = [n for n in cells if n.split('-')[0] in ('baseline', 'internal') and n.endswith('-s1')]
-    assert len(block1) == 2 * (4 * 3 + 1)  # two variants × four points × three rates, one point a fourth
+    assert len(block1) == 2 * (4 * 3 + 2)  # two variants × four points × three rates, two points a fourth
     for name, args in cells.items():
         cfg = study.cell_config(args)
         v, size, budget, lr, seed = name.split('-')
