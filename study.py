@@ -361,7 +361,7 @@ def fmt(m_sd, digits=4, pct=False):
 
 # which tables a matrix reports: step times only from runs that had the machine to themselves
 TABLES = {'timing': ('steps',), 'lr': ('lr',), '3M_lr': ('lr',), 'chasing': ('chasing',), 'gpt2proxy': ('losses',),
-          'ladder': ('ladder',)}
+          'ladder': ('ladder_sizes', 'ladder')}
 
 
 def tables(cells, parts=('losses', 'scales'), args=None, everything=None):
@@ -380,7 +380,7 @@ def tables(cells, parts=('losses', 'scales'), args=None, everything=None):
     make = {'losses': lambda: loss_table(groups, base_name), 'scales': lambda: scale_table(groups, base_name),
             'steps': lambda: step_table(groups, base_name), 'lr': lambda: lr_table(cells, args),
             'chasing': lambda: chasing_table(cells, args, everything or cells),
-            'ladder': lambda: ladder_table(cells, args)}
+            'ladder': lambda: ladder_table(cells, args), 'ladder_sizes': lambda: ladder_sizes(cells, args)}
     return '\n\n'.join(make[p]() for p in parts)
 
 
@@ -437,6 +437,46 @@ def ladder_best(cells, args):
     return out
 
 
+def paired_gap(by_seed, base):
+    """Per-seed % gaps of the finished cells {seed: cell} to the finished baseline cells of the same seed."""
+    return [100 * (c['final_val_loss'] / base[s]['final_val_loss'] - 1) for s, c in by_seed.items()
+            if c['status'] == 'finished' and base.get(s, {}).get('status') == 'finished']
+
+
+def seeds(xs):
+    xs = sorted(xs)
+    return f's{xs[0]}' if len(xs) == 1 else f's{xs[0]}–{xs[-1]}' if xs == list(range(xs[0], xs[-1] + 1)) \
+        else 's' + ','.join(map(str, xs))
+
+
+def ladder_sizes(cells, args):
+    """Part 3's result, one table per model size: each variant's final val loss at its best
+    learning rate at each budget (mean ± sd over the seeds run there), the rate and seeds, and the
+    paired gap to the baseline at the baseline's best rate (mean ± sd of the per-seed gaps)."""
+    best = ladder_best(cells, args)
+    out = []
+    for size in sorted({p[0] for p in best}, key=lambda s: float(s[:-1])):
+        budgets = sorted((p[1] for p in best if p[0] == size), key=lambda b: float(b[:-1]))
+        variants = [v for v in VARIANTS7 if any(v in best[size, b] for b in budgets)]
+        lines = [f"**{size} model**", "", "| variant | " + " | ".join(f"{b} tokens" for b in budgets) + " |",
+                 "|---|" + "---|" * len(budgets)]
+        for v in variants:
+            row = []
+            for b in budgets:
+                if v not in best[size, b]:
+                    row.append('—')
+                    continue
+                lr, by_seed, note = best[size, b][v]
+                done = [c['final_val_loss'] for c in by_seed.values() if c['status'] == 'finished']
+                base = best[size, b].get('baseline')
+                gap = paired_gap(by_seed, base[1]) if base and v != 'baseline' else []
+                row.append((fmt(mean_sd(done)) if done else 'diverged') + f" (lr {lr:g}{' ' * bool(note)}{note.strip('()')}, "
+                           f"{seeds(by_seed)})" + (f": {fmt(mean_sd(gap), pct=True)}" if gap else ''))
+            lines.append(f"| {v} | " + " | ".join(row) + " |")
+        out.append('\n'.join(lines))
+    return '\n\n'.join(out)
+
+
 def ladder_table(cells, args):
     """One row per (size, budget, variant) of part 3: the learning rates tried, the best one, the
     final val loss there (mean ± sd over seeds) and the paired gap to the baseline at its own best
@@ -451,8 +491,7 @@ def ladder_table(cells, args):
                            if n.startswith(f'{v}-{size}-t{budget}-') and n.endswith('-s1'))
             grid = ', '.join(f"{x:g}: " + (f"{c['final_val_loss']:.4f}" if c['status'] == 'finished'
                                            else f"diverged at {c['diverged_at']}") for x, c in tried)
-            paired = [100 * (c['final_val_loss'] / base[1][s]['final_val_loss'] - 1) for s, c in done.items()
-                      if base and v != 'baseline' and base[1].get(s, {}).get('status') == 'finished']
+            paired = paired_gap(done, base[1]) if base and v != 'baseline' else []
             loss = fmt(mean_sd([c['final_val_loss'] for c in done.values()])) if done else '—'
             lines.append(f"| {size} | {budget} | {v} | {grid} | {lr:g}{' ' * bool(note)}{note} | {loss} ({','.join(map(str, sorted(done)))}) | "
                          f"{fmt(mean_sd(paired), pct=True) if paired else '—'} |")

@@ -275,6 +275,25 @@ def test_ladder_table_pairs_each_variant_at_its_best_rate_with_the_baselines():
                        '4.7000 (1) | -2.08 % |')
 
 
+def test_ladder_sizes_gives_each_variant_at_its_best_rate_per_budget_with_seed_spread():
+    cell = lambda loss: {'status': 'finished', 'final_val_loss': loss}
+    cells = {'baseline-0.4M-t18M-lr0.008-s1': cell(4.0), 'baseline-0.4M-t18M-lr0.016-s1': cell(3.9),
+             'baseline-0.4M-t18M-lr0.016-s2': cell(3.8), 'baseline-0.4M-t18M-lr0.032-s1': cell(4.2),
+             'internal-0.4M-t18M-lr0.016-s1': cell(3.939), 'internal-0.4M-t18M-lr0.016-s2': cell(3.876),
+             'baseline-0.4M-t3M-lr0.016-s1': cell(5.0), 'dyt-0.4M-t3M-lr0.016-s1': cell(5.1),
+             'baseline-1M-t3M-lr0.008-s1': cell(4.5)}
+    text = study.ladder_sizes(cells, {n: [] for n in cells})
+    small, big = text.split('\n\n**1M model**')
+    assert small.splitlines()[2:] == [
+        '| variant | 3M tokens | 18M tokens |', '|---|---|---|',
+        # 18M: the baseline's best is 1.6e-2, mean (3.9, 3.8) = 3.85, sd 0.0707; internal's per-seed
+        # gaps 3.939/3.9 − 1 = +1.00 %, 3.876/3.8 − 1 = +2.00 %: mean 1.50, sd 0.71
+        '| baseline | 5.0000 (lr 0.016, s1) | 3.8500 ± 0.0707 (lr 0.016, s1–2) |',
+        '| internal | — | 3.9075 ± 0.0445 (lr 0.016, s1–2): +1.50 ± 0.71 % |',
+        '| dyt | 5.1000 (lr 0.016, s1): +2.00 % | — |']  # in VARIANTS7's order
+    assert big.splitlines()[2:] == ['| variant | 3M tokens |', '|---|---|', '| baseline | 4.5000 (lr 0.008, s1) |']
+
+
 def test_every_tapered_cell_of_every_matrix_names_its_calibration():
     # calibration='end' is the default today; pinned, a committed cell keeps its meaning if it changes
     import train
