@@ -11,6 +11,7 @@ matrices): each variant's paired gap to the baseline against the tokens seen. Ne
 
 import json
 import os
+import statistics
 import sys
 
 from configurator import configure
@@ -51,7 +52,7 @@ PAPER_GAP = (0.7, 1.8)  # % above the baseline: the paper's tapered models on Ti
 def ladder_plot(plt, results_path, out, title):
     """The budget ladder: for every variant but the baseline, its final val loss at its best
     learning rate against the baseline's at its own, paired by seed, in %, against the tokens a
-    run saw (log axis); one line per model size and variant, the seed spread as error bars where
+    run saw (log axis); one line per model size and variant, ± sd over seeds as error bars where
     seeds were run, the val loss written beside each point, the paper's range as a band."""
     import study
     with open(results_path) as f:
@@ -71,8 +72,7 @@ def ladder_plot(plt, results_path, out, title):
         c = study.cell_config(next(a for n, a in args.items() if n.split('-')[1:3] == [size, 't' + budget]))
         tokens = c['max_iters'] * c['batch_size'] * c['block_size'] * c['gradient_accumulation_steps']
         for v, (lr, by_seed, note) in by_v.items():
-            gaps = [100 * (x['final_val_loss'] / base[1][s]['final_val_loss'] - 1) for s, x in by_seed.items()
-                    if x['status'] == 'finished' and base[1].get(s, {}).get('status') == 'finished']
+            gaps = study.paired_gap(by_seed, base[1])
             if v != 'baseline' and gaps:
                 lines.setdefault((size, v), []).append((tokens, gaps, [x['final_val_loss'] for x in by_seed.values()
                                                                        if x['status'] == 'finished'],
@@ -82,7 +82,7 @@ def ladder_plot(plt, results_path, out, title):
         points.sort()
         xs = [p[0] for p in points]
         ys = [sum(p[1]) / len(p[1]) for p in points]
-        err = [(max(p[1]) - min(p[1])) / 2 if len(p[1]) > 1 else 0 for p in points]
+        err = [statistics.stdev(p[1]) if len(p[1]) > 1 else 0 for p in points]  # the tables' ± sd
         marker, color = 'os^v'[sorted({s for s, _ in lines}).index(size) % 4], f'C{variants.index(v)}'
         ax.errorbar(xs, ys, yerr=err, marker=marker, capsize=3, color=color, ls='-' if size == '1M' else '--',
                     label=f'{v}, {size} model')

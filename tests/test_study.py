@@ -6,6 +6,7 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import configurator
@@ -331,21 +332,28 @@ def test_plot_draws_one_gate_curve_per_schedule(tmp_path):
     plt.close('all')
 
 
-def test_the_ladder_plot_draws_each_variants_paired_gap_against_tokens(tmp_path):
+def test_the_ladder_plot_draws_each_variants_paired_gap_against_tokens(tmp_path, monkeypatch):
     pytest.importorskip('matplotlib')
     import matplotlib.pyplot as plt
     import plot
+    monkeypatch.setitem(study.MATRICES, 'ladder',  # the plot draws the cells of its matrix
+                        study.ladder_cells(('baseline', 'internal'), '1M', '3M', (4e-3, 8e-3, 1.6e-2), (1, 2)))
     cell = lambda loss: {'status': 'finished', 'final_val_loss': loss}
     cells = {'baseline-1M-t3M-lr0.004-s1': cell(5.0), 'baseline-1M-t3M-lr0.008-s1': cell(4.8),
              'baseline-1M-t3M-lr0.016-s1': cell(4.9), 'internal-1M-t3M-lr0.004-s1': cell(4.7),
              'internal-1M-t3M-lr0.008-s1': cell(4.75),
-             'internal-1M-t3M-lr0.016-s1': {'status': 'diverged', 'diverged_at': 300}}
+             'internal-1M-t3M-lr0.016-s1': {'status': 'diverged', 'diverged_at': 300},
+             'baseline-1M-t3M-lr0.008-s2': cell(4.8), 'internal-1M-t3M-lr0.004-s2': cell(4.75)}
     (tmp_path / 'results.json').write_text(json.dumps({'cells': cells}))
     plot.main([f'--ladder={tmp_path / "results.json"}', f'--out={tmp_path / "l.png"}'])
     handles, labels = plt.gcf().axes[0].get_legend_handles_labels()
-    line = handles[labels.index('internal, 1M model')].lines[0]
+    bars = handles[labels.index('internal, 1M model')]
+    line = bars.lines[0]
     assert list(line.get_xdata()) == [1500 * 16 * 128]  # the 3M point: 1500 steps of 2,048 tokens
-    assert list(line.get_ydata()) == [pytest.approx(100 * (4.7 / 4.8 - 1))]  # each at its best rate, paired
+    gaps = [100 * (4.7 / 4.8 - 1), 100 * (4.75 / 4.8 - 1)]  # each at its best rate, paired by seed
+    assert list(line.get_ydata()) == [pytest.approx(np.mean(gaps))]
+    (lo, hi), = [seg[:, 1] for seg in bars.lines[2][0].get_segments()]  # the error bar: ± sd over the seeds
+    assert (hi - lo) / 2 == pytest.approx(np.std(gaps, ddof=1))
     # Internal-Taper's best is the grid's smallest rate: the point is drawn hollow, and the plot says why
     ax = plt.gcf().axes[0]
     hollow = [ln for ln in ax.lines if ln.get_markerfacecolor() == 'white']
