@@ -116,7 +116,8 @@ EMA_POINT = ('1M', '9M')                        # where blocks 3 and 6 run
 # block 1's best rates, each bracketed, entered here as each point's grid finishes (test_study
 # checks every entry against study/results.json); blocks 2-6 run at them
 LADDER_BEST = {('0.4M', '3M'): {'baseline': 3.2e-2, 'internal': 1.6e-2},
-               ('1M', '3M'): {'baseline': 1.6e-2, 'internal': 8e-3}}
+               ('1M', '3M'): {'baseline': 1.6e-2, 'internal': 8e-3},
+               ('1M', '9M'): {'baseline': 8e-3, 'internal': 8e-3}}
 
 
 def ladder_blocks(best):
@@ -125,14 +126,17 @@ def ladder_blocks(best):
     (2) seeds 2 and 3 of both at their best rates at the long points; (3) Internal-Taper with the
     paper's calibration='ema', seeds 1-3 at its best rate at EMA_POINT; (4) All-Taper at
     Internal-Taper's best rate at every point; (5) DyT at block 1's grid at the long points;
-    (6) the relative anchor (beyond the paper) at the baseline's best rate at EMA_POINT, seeds 1-2."""
+    (6) the relative anchor (beyond the paper) at EMA_POINT at the baseline's best rate, seeds 1-2,
+    and at twice Internal-Taper's best, where the absolute anchor falls off (seed 1), each beside
+    the absolute cell at its rate."""
     at = lambda v, point, lrs, seeds=(1,): ladder_cells((v,), *point, lrs, seeds)
     blocks = [[at(v, p, (best[p][v],), (2, 3)) for p in LONG_POINTS if p in best for v in ('baseline', 'internal')],
               [at('internal_ema', p, (best[p]['internal'],), (1, 2, 3)) for p in (EMA_POINT,) if p in best],
               [at('all', p, (best[p]['internal'],)) for p in LADDER_POINTS if p in best],
               [at('dyt', p, LADDER_LRS[p]) for p in LONG_POINTS if p in best],
-              [{**at('internal_rel', p, (best[p]['baseline'],), (1, 2)), **at('internal', p, (best[p]['baseline'],))}
-               for p in (EMA_POINT,) if p in best]]  # the absolute cell at that rate: block 1's when it is in its grid
+              [{**at('internal_rel', p, (best[p]['baseline'],), (1, 2)), **at('internal_rel', p, (2 * best[p]['internal'],)),
+                **at('internal', p, tuple(dict.fromkeys((best[p]['baseline'], 2 * best[p]['internal']))))}
+               for p in (EMA_POINT,) if p in best]]  # the absolute cells at those rates: block 1's when in its grid
     return {n: a for block in blocks for cells in block for n, a in cells.items()}
 
 

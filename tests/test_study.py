@@ -248,6 +248,10 @@ def test_blocks_2_to_6_run_at_block_1s_best_rates_in_the_order_of_priority():
         'dyt-0.4M-t18M-lr0.008-s1', 'dyt-0.4M-t18M-lr0.016-s1', 'dyt-0.4M-t18M-lr0.032-s1',                    # 5
         'internal_rel-1M-t9M-lr0.01-s1', 'internal_rel-1M-t9M-lr0.01-s2', 'internal-1M-t9M-lr0.01-s1']          # 6
     assert list(study.ladder_blocks({})) == []  # nothing runs before its point's best rates are known
+    # both best at the same rate: block 6 adds twice it, where the absolute anchor falls off
+    assert list(study.ladder_blocks({('1M', '9M'): {'baseline': 0.008, 'internal': 0.008}}))[-5:] == [
+        'internal_rel-1M-t9M-lr0.008-s1', 'internal_rel-1M-t9M-lr0.008-s2', 'internal_rel-1M-t9M-lr0.016-s1',
+        'internal-1M-t9M-lr0.008-s1', 'internal-1M-t9M-lr0.016-s1']
 
 
 def test_the_declared_best_rates_are_block_1s_bracketed_best():
