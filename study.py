@@ -135,7 +135,7 @@ def ladder_blocks(best):
               [at('all', p, (best[p]['internal'],)) for p in LADDER_POINTS if p in best],
               [at('dyt', p, LADDER_LRS[p]) for p in LONG_POINTS if p in best],
               [{**at('internal_rel', p, (best[p]['baseline'],), (1, 2)), **at('internal_rel', p, (2 * best[p]['internal'],)),
-                **at('internal', p, tuple(dict.fromkeys((best[p]['baseline'], 2 * best[p]['internal']))))}
+                **at('internal', p, (best[p]['baseline'],), (1, 2)), **at('internal', p, (2 * best[p]['internal'],))}
                for p in (EMA_POINT,) if p in best]]  # the absolute cells at those rates: block 1's when in its grid
     return {n: a for block in blocks for cells in block for n, a in cells.items()}
 
@@ -184,7 +184,7 @@ MATRICES = {
                                                    '--gate_warmup_iters=30', '--taper_iters=150',
                                                    '--eval_interval=100', '--log_interval=1']
                for v in ('baseline', 'internal', 'all')},
-    # part 3. Block 1: baseline and Internal-Taper at three learning rates at each point of the
+    # part 3. Block 1: baseline and Internal-Taper at the LADDER_LRS grid at each point of the
     # budget ladder, seed 1 (the two 1M cells at 9M tokens first, so that the long cells start
     # while the short points run beside them); then blocks 2-6 where block 1's best rates are known
     'ladder': {**ladder_cells(('baseline', 'internal'), '1M', '9M', (8e-3,)),
@@ -422,9 +422,12 @@ def lr_table(cells, args):
 
 def ladder_best(cells, args):
     """Part 3's cells (named VARIANT-SIZE-tBUDGET-lrLR-sSEED) at each variant's best learning rate:
-    {(size, budget): {variant: (best lr, {seed: cell}, note)}}. The best lr has the lowest mean
-    final val loss over the seeds run at it (a diverged cell counts as infinite); note is 'edge'
-    when it is the smallest or largest rate tried, '(so far)' while a cell of the grid is to run."""
+    {(size, budget): {variant: (best lr, {seed: cell}, note)}}. The best lr is chosen on seed 1,
+    the seed every rate of the grid runs (a diverged cell counts as infinite), so that seeds 2-3
+    added at the best rate cannot move it; {seed: cell} holds every seed run there. note is
+    '(so far)' while a seed-1 cell of the variant at that point is still to run, else 'edge' when
+    the best is the smallest or largest rate of a grid of three or more (block 6's two rates are no
+    grid)."""
     runs = {}
     for name, c in cells.items():
         v, size, budget, lr, seed = name.split('-')
@@ -434,9 +437,10 @@ def ladder_best(cells, args):
     for point, by_v in runs.items():
         out[point] = {}
         for v, by_lr in by_v.items():
-            best = min(by_lr, key=lambda lr: statistics.mean(val(c) for c in by_lr[lr].values()))
-            todo = any(n.startswith(f'{v}-{point[0]}-t{point[1]}-') and n not in cells for n in args)
-            edge = len(by_lr) > 1 and best in (min(by_lr), max(by_lr))
+            best = min((lr for lr in by_lr if 1 in by_lr[lr]), key=lambda lr: val(by_lr[lr][1]))
+            todo = any(n.startswith(f'{v}-{point[0]}-t{point[1]}-') and n.endswith('-s1') and n not in cells
+                       for n in args)
+            edge = len(by_lr) > 2 and best in (min(by_lr), max(by_lr))
             out[point][v] = (best, by_lr[best], '(so far)' if todo else 'edge' if edge else '')
     return out
 

@@ -246,7 +246,8 @@ def test_blocks_2_to_6_run_at_block_1s_best_rates_in_the_order_of_priority():
         'all-0.4M-t3M-lr0.02-s1', 'all-1M-t9M-lr0.005-s1', 'all-0.4M-t18M-lr0.04-s1',                           # 4
         'dyt-1M-t9M-lr0.004-s1', 'dyt-1M-t9M-lr0.008-s1', 'dyt-1M-t9M-lr0.016-s1',
         'dyt-0.4M-t18M-lr0.008-s1', 'dyt-0.4M-t18M-lr0.016-s1', 'dyt-0.4M-t18M-lr0.032-s1',                    # 5
-        'internal_rel-1M-t9M-lr0.01-s1', 'internal_rel-1M-t9M-lr0.01-s2', 'internal-1M-t9M-lr0.01-s1']          # 6
+        'internal_rel-1M-t9M-lr0.01-s1', 'internal_rel-1M-t9M-lr0.01-s2',
+        'internal-1M-t9M-lr0.01-s1', 'internal-1M-t9M-lr0.01-s2']                                              # 6
     assert list(study.ladder_blocks({})) == []  # nothing runs before its point's best rates are known
     # both best at the same rate: block 6 adds twice it, where the absolute anchor falls off
     assert list(study.ladder_blocks({('1M', '9M'): {'baseline': 0.008, 'internal': 0.008}}))[-5:] == [
@@ -264,6 +265,23 @@ def test_the_declared_best_rates_are_block_1s_bracketed_best():
         for v, lr in rates.items():
             best, _, note = measured[point][v]
             assert (best, note) == (lr, ''), (point, v)  # '' : bracketed, and its grid has finished
+
+
+def test_ladder_best_chooses_on_seed_1_and_marks_only_its_grid():
+    cell = lambda loss: {'status': 'finished', 'final_val_loss': loss}
+    cells = {'baseline-1M-t9M-lr0.004-s1': cell(4.16), 'baseline-1M-t9M-lr0.008-s1': cell(4.099),
+             'baseline-1M-t9M-lr0.016-s1': cell(4.1005),
+             # seeds 2 and 3 at the best rate end higher: their mean (4.1020) must not hand the best to 1.6e-2
+             'baseline-1M-t9M-lr0.008-s2': cell(4.104), 'baseline-1M-t9M-lr0.008-s3': cell(4.103),
+             'internal_rel-1M-t9M-lr0.008-s1': cell(4.09), 'internal_rel-1M-t9M-lr0.016-s1': cell(4.2)}
+    pending = ['internal_rel-1M-t9M-lr0.008-s2']  # a seed still to run is no grid cell still to run
+    best = study.ladder_best(cells, {n: [] for n in [*cells, *pending]})['1M', '9M']
+    lr, by_seed, note = best['baseline']
+    assert (lr, sorted(by_seed), note) == (0.008, [1, 2, 3], '')
+    assert best['internal_rel'][0::2] == (0.008, '')  # two rates are no grid: no 'edge'
+    # a seed-1 cell of the grid still to run: the best so far
+    assert study.ladder_best(cells, {n: [] for n in [*cells, 'baseline-1M-t9M-lr0.032-s1']})['1M', '9M']['baseline'][2] \
+        == '(so far)'
 
 
 def test_ladder_table_pairs_each_variant_at_its_best_rate_with_the_baselines():
