@@ -28,7 +28,11 @@ class DyT(nn.Module):
 
     α: one learnable scalar per module, initialized to alpha0; γ (`weight`), β (`bias`): learnable
     per-channel vectors, initialized to ones and zeros (β is always there, as in the paper, whatever
-    config.bias says). It takes the same (h, gate, pos) as the other norms and ignores the last two.
+    config.bias says). α, γ and β are not weight-decayed (train.configure_optimizer decays only
+    tensors of two or more dimensions). DyT runs on this GPT's own initialization, with no scale
+    added after the embedding: at init the first norm's input has an RMS near 0.03 (embeddings of
+    std 0.02), so its output starts far below RMSNorm's unit RMS, and γ, α and the matrices must
+    grow it. It takes the same (h, gate, pos) as the other norms and ignores the last two.
     h: (..., d) -> (..., d).
     """
 

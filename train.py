@@ -239,6 +239,19 @@ class Batches:
         return batch if batch is not None else train_batch(*self.args, it, micro)
 
 
+def check_same_world(ckpt, cfg, env):
+    """--init_from=resume: SystemExit unless the run resumes on the number of processes it was
+    trained on (a step's tokens and the windows each rank reads depend on it); checkpoints from
+    before the 'world' key pass."""
+    was = ckpt.get('world', env.world) if ckpt is not None else env.world
+    if was != env.world:
+        launch = 'python train.py' if was == 1 else f'torchrun --nproc_per_node={was} train.py'
+        raise SystemExit(f"--init_from=resume: {cfg.out_dir} was trained on {was} process(es), this run has "
+                         f"{env.world}: the tokens of a step (batch_size × block_size × gradient_accumulation_steps"
+                         f" × processes) and the windows each rank reads would change; resume it on {was} "
+                         f"({launch} --init_from=resume --out_dir={cfg.out_dir})")
+
+
 def train_batch(folder, cfg, env, it, micro):
     """Micro-batch `micro` of iteration it on this rank: x, y (batch_size, block_size). 'random':
     random windows from the (seed, 0, it, rank, micro) stream; 'epoch': entries
@@ -445,6 +458,7 @@ def main(argv):
                   f"{done['final_val_loss']:.4f}): nothing to train or evaluate; a longer run is a new run")
         end_processes(env)
         return model_from_state_dict(ckpt['model'], ckpt['model_args'])
+    check_same_world(ckpt, cfg, env)
     lock = claim_out_dir(cfg, iter_num) if env.master else None  # noqa: F841 (held until the process ends)
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
 
@@ -457,7 +471,7 @@ def main(argv):
     def checkpoint(it):
         if env.master:
             save_checkpoint({'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(),
-                             'model_args': model_args, 'iter_num': it, 'config': vars(cfg),
+                             'model_args': model_args, 'iter_num': it, 'config': vars(cfg), 'world': env.world,
                              'meta': meta}, ckpt_path)
 
     if env.master:

@@ -299,6 +299,21 @@ def test_resume_uses_the_stored_config_and_lists_every_difference(toy_data, tmp_
     assert model.config.n_embd == 32 and model.phase == 'linear'
 
 
+def test_resume_on_another_number_of_processes_is_refused(toy_data, tmp_path):
+    out = tmp_path / 'run'
+    train.main(toy_args(toy_data, out, max_iters=12))
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+    assert ckpt['world'] == 1
+    ckpt.update(iter_num=6, world=2)  # as if stopped halfway under torchrun --nproc_per_node=2
+    torch.save(ckpt, out / 'ckpt.pt')
+    with pytest.raises(SystemExit, match=r'trained on 2 process\(es\), this run has 1: .* resume it on 2 '
+                                         r'\(torchrun --nproc_per_node=2 train.py --init_from=resume'):
+        train.main([f'--out_dir={out}', '--init_from=resume'])
+    del ckpt['world']  # a checkpoint from before the key: not refused
+    torch.save(ckpt, out / 'ckpt.pt')
+    assert train.main([f'--out_dir={out}', '--init_from=resume']).phase == 'linear'
+
+
 def test_main_command_prepares_tinystories_when_missing(tmp_path, monkeypatch):
     """`python train.py config/tinystories_*.py` on a fresh machine downloads and prepares first."""
     import sys
