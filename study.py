@@ -5,14 +5,16 @@ Run a declared matrix of train.py runs, resumably, two at a time, and build the 
     python study.py --matrix=timing --jobs=1 --threads=2   # another declared matrix (see MATRICES)
     python study.py --run=False              # only the tables, from study/results.json
     python study.py --matrix=timing --only=all-timing-s1 --study_dir=/tmp/again   # one cell again
+    python study.py --matrix=ladder --device=cuda --jobs=8 --study_dir=study_cuda  # on a GPU, float32
 
 Every cell gets its own out_dir (study_dir/NAME). A cell whose log.jsonl has final_val_loss is
 skipped; one with a ckpt.pt continues with --init_from=resume; one whose loss went non-finite
 is recorded as diverged (with its iteration) and never retried. After each cell, its summary
-goes into study_dir/results.json (with the git commit, torch version and thread count it ran
-with), written atomically: a stopped study loses nothing and the same command continues it.
-The tables of docs/results.md are printed by --table from that file (--readme=docs/results.md writes them there). Each cell runs with
-OMP_NUM_THREADS=threads; jobs cells run at once (2 on a 2-core machine).
+goes into study_dir/results.json (with the git commit, torch version, thread count, device and
+dtype it ran with), written atomically: a stopped study loses nothing and the same command
+continues it. The tables of docs/results.md are printed by --table from that file
+(--readme=docs/results.md writes them there). Each cell runs with OMP_NUM_THREADS=threads; jobs
+cells run at once (2 on a 2-core machine).
 """
 
 import fcntl
@@ -30,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from configurator import configure, defaults_of, parse_args
+from configurator import configure, defaults_of, parse_args, resolve_device
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -42,6 +44,7 @@ threads = 1                 # OMP_NUM_THREADS of each cell
 run = True                  # train the cells that are not finished
 table = True                # print the tables of the matrix's finished cells
 only = ''                   # run and report only these cells of the matrix (comma-separated names)
+device = ''                 # '': each cell's own (config/cpu.py's: cpu); 'cuda': every cell there in float32, into its own --study_dir
 readme = ''                 # also write them into this markdown file (docs/results.md), between <!-- study:MATRIX --> and <!-- /study:MATRIX -->
 # -----------------------------------------------------------------------------
 DEFAULTS = dict(defaults_of(globals()), __file__=__file__, __doc__=__doc__)  # before anything else is defined
@@ -306,11 +309,11 @@ def run_cell(name, args, out_dir, results, threads):
                 return 'failed'
             it = int(tail.rsplit('at iteration ', 1)[1].split(';')[0])
             results.put(name, dict(status='diverged', diverged_at=it, args=args, data=data_of(args),
-                                   **provenance(wall, threads)))
+                                   **provenance(wall, threads, args)))
             print(f"{name}: diverged at iteration {it}", flush=True)
             return 'diverged'
         records, status = read_log(out_dir), 'finished'
-        results.put(name, dict(status=status, args=args, data=data_of(args), **provenance(wall, threads),
+        results.put(name, dict(status=status, args=args, data=data_of(args), **provenance(wall, threads, args),
                                **summarize(records)))
         print(f"{name}: final_val_loss {results.data['cells'][name]['final_val_loss']:.4f} "
               f"({wall / 60:.1f} min)", flush=True)
@@ -318,7 +321,7 @@ def run_cell(name, args, out_dir, results, threads):
     # a finished cell's summary is rebuilt from its log, so a new summary field reaches old cells
     old = results.data['cells'].get(name)
     if old is None or old.get('status') != 'finished':  # finished before results.json knew
-        old = dict(status=status, args=args, **provenance(None, threads))
+        old = dict(status=status, args=args, **provenance(None, threads, args))
     new = {**old, **summarize(records)}
     if new != old:
         results.put(name, new)
@@ -336,18 +339,37 @@ def data_of(args):
     return dict(dataset=cfg['dataset'], tokens=tokens, meta_sha256=hashlib.sha256(raw).hexdigest())
 
 
-def check_one_dataset(cells, args):
+def check_comparable(cells, args):
     """SystemExit unless every cell trained on the same dataset (by name; by meta.json's hash where
-    the record has one: records from before part 3 name only their arguments)."""
+    the record has one: records from before part 3 name only their arguments) and on the same
+    device (a record without one ran on this repository's 2-core CPU: no GPU was used before the key)."""
     names = {cell_config(args[n])['dataset'] for n in cells}
     hashes = {c['data']['meta_sha256'] for c in cells.values() if c.get('data')}
     if len(names) > 1 or len(hashes) > 1:
         raise SystemExit(f"the cells of one table trained on different data ({', '.join(sorted(names))}; "
                          f"{len(hashes)} preparations by meta.json's hash): tabulate them separately")
+    devices = {c.get('device', 'cpu') for c in cells.values()}
+    if len(devices) > 1:
+        raise SystemExit(f"the cells of one table ran on different devices ({', '.join(sorted(devices))}): "
+                         "tabulate them separately (each device's cells in their own --study_dir)")
 
 
-def provenance(wall_s, threads):
-    return dict(git_commit=git_commit(), torch=torch.__version__, threads=threads, wall_s=wall_s)
+def on_device(cells, device, study_dir):
+    """The cells with every one moved to `device` in float32 (study.py --device=cuda: a GPU lent for
+    a while runs a whole block, several cells at once); SystemExit if study_dir is the CPU cells'."""
+    if os.path.abspath(study_dir) in (os.path.abspath('study'), os.path.join(ROOT, 'study')):
+        raise SystemExit(f"device={device!r}: its cells go in their own folder, apart from the CPU cells "
+                         f"of study/ (add --study_dir=study_{device.split(':')[0]})")
+    return {n: a + [f'--device={device}', '--dtype=float32'] for n, a in cells.items()}
+
+
+def provenance(wall_s, threads, args):
+    """Where and with what a cell ran: git commit, torch, threads, seconds, device and dtype."""
+    cfg = cell_config(args)
+    dev, dtype = resolve_device(cfg['device'], cfg['dtype'])
+    where = f"{dev}: {torch.cuda.get_device_name(dev)}" if dev.startswith('cuda') else dev
+    return dict(git_commit=git_commit(), torch=torch.__version__, threads=threads, wall_s=wall_s,
+                device=where, dtype=dtype)
 
 
 # ---- tables -----------------------------------------------------------------------------
@@ -620,6 +642,8 @@ def main(argv):
             raise SystemExit(f"config error: only={cfg.only!r}: {', '.join(sorted(unknown))} not in matrix "
                              f"{cfg.matrix!r} ({', '.join(cells)})")
         cells = {n: a for n, a in cells.items() if n in cfg.only.split(',')}
+    if cfg.device:
+        cells = on_device(cells, cfg.device, cfg.study_dir)
     os.makedirs(cfg.study_dir, exist_ok=True)
     results = Results(os.path.join(cfg.study_dir, 'results.json'))
     if cfg.run:
@@ -631,7 +655,7 @@ def main(argv):
     if cfg.table or cfg.readme:
         results.data = results.read()  # with what another driver has written meanwhile
         done = {n: results.data['cells'][n] for n in cells if n in results.data['cells']}
-        check_one_dataset(done, cells)
+        check_comparable(done, cells)
         text = tables(done, TABLES.get(cfg.matrix, ('losses', 'scales')), cells, results.data['cells'])
         print(text)
         if cfg.readme:

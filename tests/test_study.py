@@ -32,6 +32,7 @@ def test_two_cells_run_skip_resume_and_record_divergence(tiny_matrix, tmp_path, 
     assert set(cells) == {'baseline-end-s1', 'all-end-s1'}
     for name, c in cells.items():
         assert c['status'] == 'finished' and c['threads'] == 1 and c['torch'] and 'git_commit' in c
+        assert (c['device'], c['dtype']) == ('cpu', 'float32')  # the tiny matrix's --device=cpu, resolved
         log = [json.loads(line) for line in open(out / name / 'log.jsonl')]
         assert c['final_val_loss'] == log[-1]['final_val_loss']
         assert c['final_train_loss'] == log[-1]['final_train_loss']
@@ -199,14 +200,26 @@ def test_a_cells_name_tells_its_seed_learning_rate_and_size():
             assert cfg['n_embd'] == (128 if '-3M' in rest else 64), name
 
 
-def test_a_table_refuses_cells_of_two_datasets_or_two_preparations():
+def test_a_table_refuses_cells_of_two_datasets_two_preparations_or_two_devices():
     args = {'a-s1': ['--dataset=mix7'], 'b-s1': ['--dataset=mix7'], 'c-s1': ['--dataset=mix']}
-    same = {'a-s1': {'data': {'meta_sha256': 'x'}}, 'b-s1': {'data': {'meta_sha256': 'x'}}}
-    study.check_one_dataset(same, args)
+    same = {'a-s1': {'data': {'meta_sha256': 'x'}}, 'b-s1': {'data': {'meta_sha256': 'x'}, 'device': 'cpu'}}
+    study.check_comparable(same, args)  # a record without a device ran on the CPU
     with pytest.raises(SystemExit, match='different data'):
-        study.check_one_dataset({**same, 'b-s1': {'data': {'meta_sha256': 'y'}}}, args)  # prepared twice
+        study.check_comparable({**same, 'b-s1': {'data': {'meta_sha256': 'y'}}}, args)  # prepared twice
     with pytest.raises(SystemExit, match=r'different data \(mix, mix7'):
-        study.check_one_dataset({**same, 'c-s1': {}}, args)  # an older record: its name is enough
+        study.check_comparable({**same, 'c-s1': {}}, args)  # an older record: its name is enough
+    with pytest.raises(SystemExit, match=r'different devices \(cpu, cuda: NVIDIA H200\)'):
+        study.check_comparable({**same, 'b-s1': {'data': {'meta_sha256': 'x'}, 'device': 'cuda: NVIDIA H200'}}, args)
+
+
+def test_study_on_a_gpu_moves_every_cell_there_in_float32_into_its_own_folder():
+    cells = {'a-s1': ['config/cpu.py', '--seed=1']}
+    moved = study.on_device(cells, 'cuda', 'study_cuda')
+    assert moved == {'a-s1': ['config/cpu.py', '--seed=1', '--device=cuda', '--dtype=float32']}
+    cfg = study.cell_config(moved['a-s1'])  # the last override wins over config/cpu.py's device
+    assert (cfg['device'], cfg['dtype']) == ('cuda', 'float32')
+    with pytest.raises(SystemExit, match=r"device='cuda': its cells go in their own folder.*--study_dir=study_cuda"):
+        study.main(['--matrix=tiny', '--device=cuda', '--run=False', '--table=False'])
 
 
 def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_once():
