@@ -509,10 +509,11 @@ def ladder_sizes(cells, args):
 
 def ladder_table(cells, args):
     """One row per (size, budget, variant) of part 3: the learning rates tried, the best one, the
-    final val loss there (mean ± sd over seeds) and the paired gap to the baseline at its own best
-    rate (per seed run by both)."""
+    final val loss there (mean ± sd over seeds), the paired gap to the baseline at its own best
+    rate (per seed run by both), and val − train there (mean over seeds: part 1's tapered models
+    fitted the training text faster; this says whether that lasts as the budget grows)."""
     lines = ["| size | tokens | variant | lrs tried: final val loss | best lr | final val loss (seeds) | "
-             "vs baseline at its best (paired) |", "|---|---|---|---|---|---|---|"]
+             "vs baseline at its best (paired) | val − train |", "|---|---|---|---|---|---|---|---|"]
     for (size, budget), by_v in sorted(ladder_best(cells, args).items(), key=lambda kv: (kv[0][0], float(kv[0][1][:-1]))):
         base = by_v.get('baseline')
         for v, (lr, by_seed, note) in by_v.items():
@@ -523,8 +524,10 @@ def ladder_table(cells, args):
                                            else f"diverged at {c['diverged_at']}") for x, c in tried)
             paired = paired_gap(done, base[1]) if base and v != 'baseline' else []
             loss = fmt(mean_sd([c['final_val_loss'] for c in done.values()])) if done else '—'
+            fit = (f"{statistics.mean(c['final_val_loss'] - c['final_train_loss'] for c in done.values()):.3f}"
+                   if done else '—')
             lines.append(f"| {size} | {budget} | {v} | {grid} | {lr:g}{' ' * bool(note)}{note} | {loss} ({','.join(map(str, sorted(done)))}) | "
-                         f"{fmt(mean_sd(paired), pct=True) if paired else '—'} |")
+                         f"{fmt(mean_sd(paired), pct=True) if paired else '—'} | {fit} |")
     return '\n'.join(lines)
 
 

@@ -298,17 +298,18 @@ def test_ladder_best_chooses_on_seed_1_and_marks_only_its_grid():
 
 
 def test_ladder_table_pairs_each_variant_at_its_best_rate_with_the_baselines():
-    cell = lambda loss: {'status': 'finished', 'final_val_loss': loss}
-    cells = {'baseline-1M-t3M-lr0.004-s1': cell(5.0), 'baseline-1M-t3M-lr0.008-s1': cell(4.8),
-             'baseline-1M-t3M-lr0.016-s1': cell(4.9), 'internal-1M-t3M-lr0.004-s1': cell(4.7),
-             'internal-1M-t3M-lr0.008-s1': cell(4.75),
+    cell = lambda loss, train=4.5: {'status': 'finished', 'final_val_loss': loss, 'final_train_loss': train}
+    cells = {'baseline-1M-t3M-lr0.004-s1': cell(5.0), 'baseline-1M-t3M-lr0.008-s1': cell(4.8, 4.55),
+             'baseline-1M-t3M-lr0.008-s2': cell(4.9, 4.6), 'baseline-1M-t3M-lr0.016-s1': cell(4.9),
+             'internal-1M-t3M-lr0.004-s1': cell(4.7, 4.6), 'internal-1M-t3M-lr0.008-s1': cell(4.75),
              'internal-1M-t3M-lr0.016-s1': {'status': 'diverged', 'diverged_at': 300}}
     rows = study.ladder_table(cells, {n: [] for n in cells}).splitlines()[2:]
+    # the best rate's two seeds: val − train 0.25 and 0.30, mean 0.275 (the other rates' do not count)
     assert rows[0] == ('| 1M | 3M | baseline | 0.004: 5.0000, 0.008: 4.8000, 0.016: 4.9000 | 0.008 | '
-                       '4.8000 (1) | — |')
-    # best at the grid's edge is marked; 4.7 / 4.8 − 1 = −2.08 %
+                       '4.8500 ± 0.0707 (1,2) | — | 0.275 |')
+    # best at the grid's edge is marked; paired on seed 1 only: 4.7 / 4.8 − 1 = −2.08 %
     assert rows[1] == ('| 1M | 3M | internal | 0.004: 4.7000, 0.008: 4.7500, 0.016: diverged at 300 | 0.004 edge | '
-                       '4.7000 (1) | -2.08 % |')
+                       '4.7000 (1) | -2.08 % | 0.100 |')
 
 
 def test_ladder_sizes_gives_each_variant_at_its_best_rate_per_budget_with_seed_spread():
