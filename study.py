@@ -120,7 +120,8 @@ EMA_POINT = ('1M', '9M')                        # where blocks 3 and 6 run
 # checks every entry against study/results.json); blocks 2-6 run at them
 LADDER_BEST = {('0.4M', '3M'): {'baseline': 3.2e-2, 'internal': 1.6e-2},
                ('1M', '3M'): {'baseline': 1.6e-2, 'internal': 8e-3},
-               ('1M', '9M'): {'baseline': 8e-3, 'internal': 8e-3}}
+               ('1M', '9M'): {'baseline': 8e-3, 'internal': 8e-3},
+               ('0.4M', '18M'): {'baseline': 1.6e-2, 'internal': 1.6e-2}}
 
 
 def ladder_blocks(best):
