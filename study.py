@@ -84,13 +84,13 @@ def lr_cells(variants, lrs, seeds=(1,), size=''):
 # part 3, the budget ladder: mix7 (the seven corpora, 18.5M training tokens) read once, in
 # config/cpu.py's proportions (W, the LR warmup: 10 % of the run, T: 50 %; min_lr = lr / 10)
 BASE7 = ['config/tinystories_baseline.py', 'config/cpu.py', '--dataset=mix7', '--sampler=epoch']
-VARIANTS7 = {  # every tapered cell names its calibration
-    'baseline': VARIANTS['baseline'],
+VARIANTS7 = {  # every cell names its calibration ('end' where nothing tapers: the records' configs as they ran)
+    'baseline': VARIANTS['baseline'] + ['--calibration=end'],
     'internal': VARIANTS['internal'] + ['--calibration=end'],
     'all': VARIANTS['all'] + ['--calibration=end'],
     'internal_ema': VARIANTS['internal'] + ['--calibration=ema'],                          # the paper's calibration
     'internal_rel': VARIANTS['internal'] + ['--calibration=end', '--aux_form=relative'],  # beyond the paper
-    'dyt': ['--norm=dyt', '--taper=none', '--aux_weight=0.0'],
+    'dyt': ['--norm=dyt', '--taper=none', '--aux_weight=0.0', '--calibration=end'],
 }
 BUDGETS = {'3M': 1500, '9M': 4500, '18M': 9000}  # optimizer steps of 2,048 tokens: 3.07M, 9.22M, 18.4M tokens
 
@@ -177,7 +177,7 @@ MATRICES = {
     # the CPU proxy of the GPT-2 family (docs/results.md): the small GPT-2-shaped model pretrained on
     # sotu_gpt2 by config/gpt2_proxy_pretrain.py and exported with export_gpt2.py, fine-tuned on
     # austen_gpt2 through --init_from=FOLDER with each of the four GPT-2 configs
-    'gpt2proxy': {f'{v}-proxy-s1': [f'config/finetune_gpt2_{v}.py', 'config/gpt2_proxy.py', '--seed=1']
+    'gpt2proxy': {f'{v}-proxy-s1': [f'config/finetune_gpt2_{v}.py', 'config/gpt2_proxy.py', '--seed=1', '--calibration=end']
                   for v in ('vanilla', 'internal_taper', 'all_taper', 'fakeln')},
     # the contrast: the four variants on austen alone (3.3 epochs in the same 1500 steps)
     'austen': {f'{v}-austen-s1': BASE[:-1] + ['--dataset=austen'] + VARIANTS[v] + ['--calibration=end', '--seed=1']

@@ -93,7 +93,7 @@ max_iters = 5000            # optimizer steps
 schedule_scale = 1.0        # multiplies every step count (max_iters, lr_decay_iters, warmup_iters, gate_warmup_iters, taper_iters, eval_interval, fakeln_interval) when the configuration is read: the run stores and prints the scaled counts, with schedule_scale = 1.0
 gate_warmup_iters = 500     # W
 taper_iters = 2500          # T
-calibration = 'end'         # how c and s_tgt are measured: 'end' (on the model at the calibrate event) | 'ema' (the paper's EMA over the warmup)
+calibration = 'ema'         # how c and s_tgt are measured: 'ema' (the paper's EMA over the warmup) | 'end' (on the model at the calibrate event)
 calib_batches = 8           # 'end': forward passes (batch_size × block_size tokens each, per process) at the calibrate event
 # evaluation and logging
 eval_interval = 500         # validation loss and a checkpoint every this many steps

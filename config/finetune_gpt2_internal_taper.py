@@ -11,5 +11,4 @@ exec(open(os.path.join(os.path.dirname(__file__), 'finetune_gpt2_vanilla.py')).r
 
 taper = 'internal'
 aux_weight = 0.1
-calibration = 'end'      # c and s_tgt measured at the calibrate event (docs/method.md §3); pinned so the results keep their meaning if the default changes
 out_dir = 'out-gpt2-{dataset}-internal-taper'

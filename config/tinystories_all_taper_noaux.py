@@ -6,5 +6,4 @@ exec(open(os.path.join(os.path.dirname(__file__), 'tinystories_baseline.py')).re
 
 taper = 'all'
 aux_weight = 0.0
-calibration = 'end'      # c and s_tgt measured at the calibrate event (docs/method.md §3); pinned so the results keep their meaning if the default changes
 out_dir = 'out-tinystories-all-taper-noaux'

@@ -6,5 +6,4 @@ exec(open(os.path.join(os.path.dirname(__file__), 'tinystories_baseline.py')).re
 
 taper = 'internal'
 aux_weight = 0.1
-calibration = 'end'      # c and s_tgt measured at the calibrate event (docs/method.md §3); pinned so the results keep their meaning if the default changes
 out_dir = 'out-tinystories-internal-taper'

@@ -677,6 +677,7 @@ def test_the_finetune_configs_share_one_budget_and_finish_removing_norms_in_time
     assert cfg.norm_removal == ('fakeln' if name == 'fakeln' else 'none')
     if cfg.taper != 'none':
         assert cfg.gate_warmup_iters + cfg.taper_iters < cfg.max_iters and cfg.aux_weight == 0.1
+        assert cfg.calibration == 'ema'  # the paper's (docs/method.md §3)
     if name == 'fakeln':
         assert len(FAKELN_EVENTS) * cfg.fakeln_interval < cfg.max_iters
     assert 'dataset = \'pile\'' in (REPO / 'config' / 'finetune_gpt2_vanilla.py').read_text()

@@ -332,7 +332,8 @@ def test_ladder_sizes_gives_each_variant_at_its_best_rate_per_budget_with_seed_s
 
 
 def test_every_tapered_cell_of_every_matrix_names_its_calibration():
-    # calibration='end' is the default today; pinned, a committed cell keeps its meaning if it changes
+    # the default calibration changed from 'end' to the paper's 'ema' (part 3, block 3); pinned, a committed
+    # cell keeps the meaning it ran with whatever the default
     import train
     defaults = configurator.defaults_of(vars(train))
     for matrix, cells in study.MATRICES.items():

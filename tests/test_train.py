@@ -26,7 +26,8 @@ def toy_args(data_dir, out_dir, **overrides):
                n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, gradient_accumulation_steps=2,
                taper='all', aux_weight=0.1, max_iters=16, gate_warmup_iters=4, taper_iters=6,
                learning_rate=3e-3, min_lr=3e-4, warmup_iters=2, lr_decay_iters=16,
-               eval_interval=4, eval_iters=2, log_interval=1, dropout=0.1)
+               eval_interval=4, eval_iters=2, log_interval=1, dropout=0.1,
+               calibration='end')  # the tests of the closed form over the calibration tokens measure 'end'
     cfg.update(overrides)
     return [f'--{k}={v}' for k, v in cfg.items()]
 
@@ -89,6 +90,7 @@ def test_config_files_compose_and_overrides_win():
     ignore = {'taper', 'aux_weight', 'out_dir'}
     for group in (full, cpu):  # the four runs differ only in taper and aux_weight
         assert len({tuple(sorted((k, v) for k, v in vars(c).items() if k not in ignore)) for c in group}) == 1
+    assert {c.calibration for c in full + cpu} == {'ema'}  # the paper's runs calibrate as the paper does
     assert load_config(['--compile=True']).compile is True
     assert load_config(['--compile=False']).compile is False
     assert load_config(['--learning_rate=1']).learning_rate == 1.0  # int where a float is due
