@@ -94,7 +94,7 @@ schedule_scale = 1.0        # multiplies every step count (max_iters, lr_decay_i
 gate_warmup_iters = 500     # W
 taper_iters = 2500          # T
 calibration = 'ema'         # how c and s_tgt are measured: 'ema' (the paper's EMA over the warmup) | 'end' (on the model at the calibrate event)
-calib_batches = 8           # 'end': forward passes (batch_size × block_size tokens each, per process) at the calibrate event
+calib_batches = 8           # forward passes (batch_size × block_size tokens each, per process) at the calibrate event: 'end' measures c and s_tgt on them, both modes the branch mismatch
 # evaluation and logging
 eval_interval = 500         # validation loss and a checkpoint every this many steps
 eval_iters = 50             # batches per validation estimate

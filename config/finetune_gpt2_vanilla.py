@@ -35,8 +35,8 @@ weight_decay = 0.01
 # The norm-removal schedules of the other three configs, side by side (ignored here): each
 # method starts from the pretrained model, has no normalizing norm left by step ~120, and
 # trains the last ~180 steps without one.
-#   TaperLN: gate held at 1 over the LR warmup (W = 25, c calibrated at step 25 on the
-#            pretrained model's own activations), tapered over T = 100 steps, linear from 125.
+#   TaperLN: gate held at 1 over the LR warmup (W = 25, c from the EMA of the pretrained
+#            model's own activations over steps 0-24), tapered over T = 100 steps, linear from 125.
 #   FakeLN:  ln_2 removed at 30, ln_1 at 60, ln_f at 90, position 0's own scalar at 120.
 gate_warmup_iters = 25
 taper_iters = 100
