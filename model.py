@@ -599,8 +599,8 @@ class GPT(nn.Module):
     def calibrate(self, mode):
         """The calibrate event (docs/method.md §2–§4): freeze c per layer and s_tgt, set γ̃ ← γ, β̃ ← β.
 
-        c = Σ_i γ_i² N_i / Σ_i γ_i² D_i with the γ being copied (docs/method.md §3), from (no default:
-        train.py's `calibration` chooses)
+        c = Σ_i γ_i² N_i / Σ_i γ_i² D_i with the γ being copied (docs/method.md §3), from (mode has
+        no default here: train.py's `calibration` chooses, 'ema' unless told otherwise)
         mode='end': the statistics collected since the last reset (the forwards run under
           set_collect('calibration') on the model as it is now; s_tgt = their mean s(h));
         mode='ema': the EMAs of calibration_step (their bias correction cancels in c; s_tgt is
