@@ -330,14 +330,17 @@ def run_cell(name, args, out_dir, results, threads):
 
 
 def data_of(args):
-    """The dataset a cell trains on: {dataset, tokens {train, val}, meta_sha256 (of its meta.json)},
-    so that no table mixes cells of two datasets, or of two preparations of one."""
+    """The dataset a cell trains on: {dataset, tokens {train, val}, meta_sha256}, so that no table
+    mixes cells of two datasets, or of two preparations of one. meta_sha256 is the sha256 of
+    meta.json's JSON (keys sorted) less its 'sources': those are the input files' paths, which say
+    where the text was, not what it was, so the same corpus prepared from another folder matches."""
     cfg = cell_config(args)
     folder = os.path.join(ROOT, cfg['data_dir'], cfg['dataset'])
-    with open(os.path.join(folder, 'meta.json'), 'rb') as f:
-        raw = f.read()
+    with open(os.path.join(folder, 'meta.json')) as f:
+        meta = {k: v for k, v in json.load(f).items() if k != 'sources'}
     tokens = {s: os.path.getsize(os.path.join(folder, f'{s}.bin')) // 2 for s in ('train', 'val')}
-    return dict(dataset=cfg['dataset'], tokens=tokens, meta_sha256=hashlib.sha256(raw).hexdigest())
+    digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+    return dict(dataset=cfg['dataset'], tokens=tokens, meta_sha256=digest)
 
 
 def check_comparable(cells, args):

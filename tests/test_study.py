@@ -38,10 +38,11 @@ def test_two_cells_run_skip_resume_and_record_divergence(tiny_matrix, tmp_path, 
         assert c['final_train_loss'] == log[-1]['final_train_loss']
     assert set(cells['all-end-s1']['calibrate']['mismatch']) == {'h.0.ln_1', 'h.0.ln_2', 'ln_f'}
     # each record names its data: the toy fixture's 10,000 / 2,800 tokens and its meta.json's hash
-    meta = (toy_data_dir(tiny_matrix) / 'meta.json').read_bytes()
+    # (the fixture's meta.json has no 'sources': the hash is of its sorted JSON)
+    meta = json.loads((toy_data_dir(tiny_matrix) / 'meta.json').read_text())
     for c in cells.values():
         assert c['data'] == dict(dataset='toy', tokens={'train': 10_000, 'val': 2_800},
-                                 meta_sha256=hashlib.sha256(meta).hexdigest())
+                                 meta_sha256=hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest())
     steps = study.tables(cells, ('steps',)).splitlines()  # W = 3, T = 4: phases from iterations 0, 3, 7
     assert steps[0].startswith('| variant | warmup step (vs baseline) | taper step') and len(steps) == 4
     assert next(row for row in steps if row.startswith('| baseline-end | ')).count('(1.000×)') == 3
@@ -198,6 +199,22 @@ def test_a_cells_name_tells_its_seed_learning_rate_and_size():
             assert cfg['learning_rate'] == (float(lr) if lr else 2e-3), name  # 2e-3: config/cpu.py's
             assert cfg['min_lr'] == pytest.approx(cfg['learning_rate'] / 10), name  # cpu.py: 2e-3 → 2e-4
             assert cfg['n_embd'] == (128 if '-3M' in rest else 64), name
+
+
+def test_the_data_hash_ignores_where_the_inputs_were_and_sees_what_they_held(tmp_path):
+    def prepare(folder, **meta):
+        (folder / 'mix7').mkdir(parents=True)
+        for split, n in (('train', 100), ('val', 10)):
+            np.zeros(n, np.uint16).tofile(folder / 'mix7' / f'{split}.bin')
+        (folder / 'mix7' / 'meta.json').write_text(json.dumps({'vocab_size': 4, 'gpt2_ids': [5, 6, 7], **meta}))
+        return study.data_of(['--dataset=mix7', f'--data_dir={folder}'])
+
+    here = prepare(tmp_path / 'a', sources=['../shared/corpora/austen.txt'])
+    assert here['tokens'] == {'train': 100, 'val': 10}
+    # the same text prepared from another folder (data/mix7/README's data/downloads/mix7/) matches
+    assert prepare(tmp_path / 'b', sources=['data/downloads/mix7/austen.txt']) == here
+    # another vocabulary does not
+    assert prepare(tmp_path / 'c', sources=['../shared/corpora/austen.txt'], gpt2_ids=[5, 6, 8]) != here
 
 
 def test_a_table_refuses_cells_of_two_datasets_two_preparations_or_two_devices():
