@@ -49,6 +49,21 @@ def moving_average(xs, n):
 PAPER_GAP = (0.7, 1.8)  # % above the baseline: the paper's tapered models on TinyStories (its budgets not public)
 
 
+def label_points(ax, labels, gap=9):
+    """Write each label [(x, y, text, colour)] just above and right of its point, in its line's
+    colour; at one x, a label closer than `gap` points below the one above it moves down to clear it
+    (the variants of one budget often end within a few hundredths of a nat of each other)."""
+    ax.get_ylim()  # the autoscaled limits, so that data map to points
+    to_points = lambda y: ax.transData.transform((1, y))[1] * 72 / ax.figure.dpi
+    for x in sorted({lab[0] for lab in labels}):
+        above = None
+        for _, y, text, color in sorted((lab for lab in labels if lab[0] == x), key=lambda lab: -lab[1]):
+            at = to_points(y) + 4 if above is None else min(to_points(y) + 4, above - gap)
+            ax.annotate(text, (x, y), textcoords='offset points', xytext=(5, at - to_points(y)), fontsize=7,
+                        color=color)
+            above = at
+
+
 def ladder_plot(plt, results_path, out, title):
     """The budget ladder: for every variant but the baseline, its final val loss at its best
     learning rate against the baseline's at its own, paired by seed, in %, against the tokens a
@@ -78,6 +93,7 @@ def ladder_plot(plt, results_path, out, title):
                                                                        if x['status'] == 'finished'],
                                                         bool(note or base[2])))  # a best rate not yet settled
     variants = sorted({v for _, v in lines})
+    labels = []  # (tokens, gap, text, colour): each point's val loss, written once the lines are drawn
     for (size, v), points in sorted(lines.items()):
         points.sort()
         xs = [p[0] for p in points]
@@ -87,9 +103,11 @@ def ladder_plot(plt, results_path, out, title):
         ax.errorbar(xs, ys, yerr=err, marker=marker, capsize=3, color=color, ls='-' if size == '1M' else '--',
                     label=f'{v}, {size} model')
         for x, y, p in zip(xs, ys, points):
-            ax.annotate(f"{sum(p[2]) / len(p[2]):.3f}", (x, y), textcoords='offset points', xytext=(5, 4), fontsize=7)
+            labels.append((x, y, f"{sum(p[2]) / len(p[2]):.3f}", color))
             if p[3]:
                 ax.plot(x, y, marker=marker, color=color, mfc='white', ls='none', zorder=3)
+    ax.margins(x=0.1)  # room for the labels right of the last budget
+    label_points(ax, labels)
     if any(p[3] for points in lines.values() for p in points):
         ax.text(0.01, 0.01, 'hollow: a learning-rate grid still running, or a best rate at its edge',
                 transform=ax.transAxes, fontsize=7, color='0.3')

@@ -413,3 +413,19 @@ def test_the_ladder_plot_draws_each_variants_paired_gap_against_tokens(tmp_path,
     assert [(list(ln.get_xdata()), list(ln.get_ydata())) for ln in hollow] == [([1500 * 16 * 128], list(line.get_ydata()))]
     assert any('at its edge' in t.get_text() for t in ax.texts)
     plt.close('all')
+
+
+def test_the_ladder_plots_labels_of_one_budget_never_overlap(tmp_path):
+    pytest.importorskip('matplotlib')
+    import matplotlib.pyplot as plt
+    import plot
+    fig, ax = plt.subplots(figsize=(4, 3), dpi=100)
+    ax.set_ylim(0, 1)  # 0.001 apart is a small fraction of a point
+    plot.label_points(ax, [(1, 0.5, 'a', 'C0'), (1, 0.501, 'b', 'C1'), (1, 0.1, 'c', 'C2'), (2, 0.5, 'd', 'C3')])
+    offset = {t.get_text(): t.xyann[1] for t in ax.texts}  # points above the labelled point
+    assert offset['b'] == pytest.approx(4) and offset['d'] == pytest.approx(4) and offset['c'] == pytest.approx(4)
+    points_per_unit = ax.transData.transform((0, 1))[1] - ax.transData.transform((0, 0))[1]  # pixels = points at dpi 72
+    points_per_unit *= 72 / fig.dpi
+    # 'a' sits 0.001 below 'b': its label goes 9 points below b's, measured from its own point
+    assert offset['a'] == pytest.approx(4 - 9 + 0.001 * points_per_unit)
+    plt.close('all')
