@@ -116,6 +116,13 @@ LADDER_POINTS = (('0.4M', '3M'), ('1M', '3M'), ('1M', '9M'), ('0.4M', '18M'))  #
 LONG_POINTS = (('1M', '9M'), ('0.4M', '18M'))  # where blocks 2 and 5 run
 EMA_POINT = ('1M', '9M')                        # where blocks 3 and 6 run
 
+# block 5's grid for DyT at each long point: block 1's, moved down one doubling where DyT collapsed
+# at its middle rate, the baseline's best (1M, 8e-3: the loss jumped to 10.4 near step 590, just
+# after the LR warmup, and sat near 6.3 through step 1200, where the baseline's was 4.3-4.9;
+# 0.4M, 1.6e-2: val loss 6.42 at step 1500, the baseline's 4.85), so that the rate above it
+# (1.6e-2 and 3.2e-2) is not run; extended again if DyT's best lands at an edge
+DYT_LRS = {('1M', '9M'): (2e-3, 4e-3, 8e-3), ('0.4M', '18M'): (4e-3, 8e-3, 1.6e-2)}
+
 # block 1's best rates, each bracketed, entered here as each point's grid finishes (test_study
 # checks every entry against study/results.json); blocks 2-6 run at them
 LADDER_BEST = {('0.4M', '3M'): {'baseline': 3.2e-2, 'internal': 1.6e-2},
@@ -129,7 +136,7 @@ def ladder_blocks(best):
     ({(size, budget): {'baseline': lr, 'internal': lr}}), in the blocks' order of priority:
     (2) seeds 2 and 3 of both at their best rates at the long points; (3) Internal-Taper with the
     paper's calibration='ema', seeds 1-3 at its best rate at EMA_POINT; (4) All-Taper at
-    Internal-Taper's best rate at every point; (5) DyT at block 1's grid at the long points;
+    Internal-Taper's best rate at every point; (5) DyT at its own grid (DYT_LRS) at the long points;
     (6) the relative anchor (beyond the paper) at EMA_POINT at the baseline's best rate, seeds 1-2,
     and at twice Internal-Taper's best, where the absolute anchor falls off (seed 1), each beside
     the absolute cell at its rate."""
@@ -137,7 +144,7 @@ def ladder_blocks(best):
     blocks = [[at(v, p, (best[p][v],), (2, 3)) for p in LONG_POINTS if p in best for v in ('baseline', 'internal')],
               [at('internal_ema', p, (best[p]['internal'],), (1, 2, 3)) for p in (EMA_POINT,) if p in best],
               [at('all', p, (best[p]['internal'],)) for p in LADDER_POINTS if p in best],
-              [at('dyt', p, LADDER_LRS[p]) for p in LONG_POINTS if p in best],
+              [at('dyt', p, DYT_LRS[p]) for p in LONG_POINTS if p in best],
               [{**at('internal_rel', p, (best[p]['baseline'],), (1, 2)), **at('internal_rel', p, (2 * best[p]['internal'],)),
                 **at('internal', p, (best[p]['baseline'],), (1, 2)), **at('internal', p, (2 * best[p]['internal'],))}
                for p in (EMA_POINT,) if p in best]]  # the absolute cells at those rates: block 1's when in its grid
