@@ -120,8 +120,11 @@ EMA_POINT = ('1M', '9M')                        # where blocks 3 and 6 run
 # at its middle rate, the baseline's best (1M, 8e-3: the loss jumped to 10.4 near step 590, just
 # after the LR warmup, and sat near 6.3 through step 1200, where the baseline's was 4.3-4.9;
 # 0.4M, 1.6e-2: val loss 6.42 at step 1500, the baseline's 4.85), so that the rate above it
-# (1.6e-2 and 3.2e-2) is not run; extended again if DyT's best lands at an edge
-DYT_LRS = {('1M', '9M'): (2e-3, 4e-3, 8e-3), ('0.4M', '18M'): (4e-3, 8e-3, 1.6e-2)}
+# (1.6e-2 and 3.2e-2) is not run; extended again if DyT's best lands at an edge. The 1M grid
+# gained 1e-3 before its lower rates ran: at 4e-3 DyT still sat near 6.2 (val 6.22 at step 750,
+# 6.19 at 1500), and a 900-step probe at 2e-3 (val 5.71 at step 750, the baseline's 4.85) was
+# better but still broken down, so 2e-3 was likely to be the edge
+DYT_LRS = {('1M', '9M'): (1e-3, 2e-3, 4e-3, 8e-3), ('0.4M', '18M'): (4e-3, 8e-3, 1.6e-2)}
 
 # block 1's best rates, each bracketed, entered here as each point's grid finishes (test_study
 # checks every entry against study/results.json); blocks 2-6 run at them
