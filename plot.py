@@ -107,12 +107,14 @@ def ladder_plot(plt, results_path, out, title):
             labels.append((x, y, f"{sum(p[2]) / len(p[2]):.3f}", color))
             if p[3]:
                 ax.plot(x, y, marker=marker, color=color, mfc='white', ls='none', zorder=3)
-    if any(abs(sum(p[1]) / len(p[1])) > 2 * LINEAR_GAP for points in lines.values() for p in points):
+    symlog = any(abs(sum(p[1]) / len(p[1])) > 2 * LINEAR_GAP for points in lines.values() for p in points)
+    if symlog:
         ax.set_yscale('symlog', linthresh=LINEAR_GAP, linscale=2)  # TaperNorm's ±0.5 % stays readable
         lo, hi = ax.get_ylim()
         ax.set_yticks([t for t in (-20, -10, -5, -2, -1, -0.5, 0, 0.5, 1, 2, 5, 10, 20, 50, 100) if lo <= t <= hi])
         ax.yaxis.set_major_formatter('{x:g}')
-        ax.set_ylabel(f'final val loss vs RMSNorm baseline, paired (%; log beyond ±{LINEAR_GAP:g} %)')
+    ax.set_ylabel('final val loss vs RMSNorm baseline, paired (%'
+                  + (f'; log beyond ±{LINEAR_GAP:g} %)' if symlog else ')'))
     ax.margins(x=0.1)  # room for the labels right of the last budget
     label_points(ax, labels)
     if any(p[3] for points in lines.values() for p in points):
@@ -120,8 +122,6 @@ def ladder_plot(plt, results_path, out, title):
                 transform=ax.transAxes, fontsize=7, color='0.3')
     ax.set_xscale('log')
     ax.set_xlabel('tokens seen (each variant at its best learning rate; beside each point: its final val loss)')
-    if ax.get_yscale() == 'linear':
-        ax.set_ylabel('final val loss vs RMSNorm baseline, paired (%)')
     ax.set_title(title or 'TaperNorm against the budget (mix7, read once)', fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

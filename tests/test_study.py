@@ -412,7 +412,7 @@ def test_the_ladder_plot_draws_each_variants_paired_gap_against_tokens(tmp_path,
     hollow = [ln for ln in ax.lines if ln.get_markerfacecolor() == 'white']
     assert [(list(ln.get_xdata()), list(ln.get_ydata())) for ln in hollow] == [([1500 * 16 * 128], list(line.get_ydata()))]
     assert any('at its edge' in t.get_text() for t in ax.texts)
-    assert ax.get_yscale() == 'linear'  # gaps of 1-2 %
+    assert ax.get_yscale() == 'linear' and 'log' not in ax.get_ylabel()  # gaps of 1-2 %
     plt.close('all')
     # a gap of +25 % (DyT's kind) puts the axis on a symmetric log scale, linear within ±2 %
     cells['internal-1M-t3M-lr0.004-s1'], cells['internal-1M-t3M-lr0.008-s1'] = cell(6.0), cell(6.1)
@@ -420,7 +420,7 @@ def test_the_ladder_plot_draws_each_variants_paired_gap_against_tokens(tmp_path,
     plot.main([f'--ladder={tmp_path / "results.json"}', f'--out={tmp_path / "l.png"}'])
     ax = plt.gcf().axes[0]
     assert ax.get_yscale() == 'symlog' and ax.yaxis.get_transform().linthresh == 2
-    assert 20 in ax.get_yticks() and 0 in ax.get_yticks()
+    assert 20 in ax.get_yticks() and 0 in ax.get_yticks() and 'log beyond ±2 %' in ax.get_ylabel()
     plt.close('all')
 
 
