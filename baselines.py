@@ -29,11 +29,16 @@ class DyT(nn.Module):
     α: one learnable scalar per module, initialized to alpha0; γ (`weight`), β (`bias`): learnable
     per-channel vectors, initialized to ones and zeros (β is always there, as in the paper, whatever
     config.bias says). α, γ and β are not weight-decayed (train.configure_optimizer decays only
-    tensors of two or more dimensions). DyT runs on this GPT's own initialization, with no scale
-    added after the embedding: at init the first norm's input has an RMS near 0.03 (embeddings of
-    std 0.02), so its output starts far below RMSNorm's unit RMS, and γ, α and the matrices must
-    grow it. It takes the same (h, gate, pos) as the other norms and ignores the last two.
-    h: (..., d) -> (..., d).
+    tensors of two or more dimensions).
+
+    A DyT model also gets the DyT paper's recipe for language models (its §"Large Language
+    Models"): a learnable scalar multiplies the embeddings before the first block, √d at init
+    (GPT.embed_scale; GPTConfig.dyt_embed_scale=False leaves it out). Without it the first DyT's
+    input is the embeddings' sum, RMS near 0.03 (wte and wpe of std 0.02), about 30× below the
+    unit RMS that RMSNorm's output has, and the paper reports that training "struggles to progress"; here, without it, DyT broke down after
+    the LR warmup at the baseline's best rates (docs/results.md, part 3, block 5). The scalar is
+    not weight-decayed either. It takes the same (h, gate, pos) as the other norms and ignores the
+    last two. h: (..., d) -> (..., d).
     """
 
     def __init__(self, d, alpha0):

@@ -228,6 +228,7 @@ class GPTConfig:
     norm_eps: float = 1e-5      # ε, passed explicitly to every norm
     activation: str = 'gelu'    # the MLP's GELU: 'gelu' (exact) | 'gelu_tanh' (GPT-2's gelu_new)
     norm_removal: str = 'none'  # 'none' | 'fakeln': the FakeLN baseline (docs/method.md §7), taper='none'
+    dyt_embed_scale: bool = True  # norm='dyt' only: a learnable scalar, √n_embd at init, scales the embeddings (baselines.py)
     folded: bool = False        # the tapered (or FakeLN) norms were folded into the next linear layers (fold.py)
 
     def __post_init__(self):
@@ -480,6 +481,9 @@ class GPT(nn.Module):
         if not config.untied_head():  # folding ln_f gives the head its own weight W' (docs/method.md §5)
             self.transformer.wte.weight = self.lm_head.weight
 
+        # DyT's language-model recipe: a learnable scalar after the embedding, √d at init (baselines.DyT)
+        self.embed_scale = (nn.Parameter(torch.full((), config.n_embd ** 0.5))
+                            if config.norm == 'dyt' and config.dyt_embed_scale else None)
         self.register_buffer('gate', torch.ones(()))  # g, used only in the taper phase
         if config.taper != 'none':
             self.register_buffer('calibrated', torch.zeros((), dtype=torch.bool))
@@ -675,7 +679,10 @@ class GPT(nn.Module):
             if self.causal_mask is None:
                 raise RuntimeError("forward(input_pos=...) needs KV caches: call setup_caches() first")
             pos, mask = input_pos, self.causal_mask[None, None, input_pos]  # (1, 1, T, T_max)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        x = self.transformer.drop(x)
         for block in self.transformer.h:
             x = block(x, self.gate, input_pos, mask, pos)
 

@@ -90,7 +90,8 @@ VARIANTS7 = {  # every cell names its calibration ('end' where nothing tapers: t
     'all': VARIANTS['all'] + ['--calibration=end'],
     'internal_ema': VARIANTS['internal'] + ['--calibration=ema'],                          # the paper's calibration
     'internal_rel': VARIANTS['internal'] + ['--calibration=end', '--aux_form=relative'],  # beyond the paper
-    'dyt': ['--norm=dyt', '--taper=none', '--aux_weight=0.0', '--calibration=end'],
+    'dyt': ['--norm=dyt', '--taper=none', '--aux_weight=0.0', '--calibration=end', '--dyt_embed_scale=True'],
+    'dyt_noemb': ['--norm=dyt', '--taper=none', '--aux_weight=0.0', '--calibration=end', '--dyt_embed_scale=False'],
 }
 BUDGETS = {'3M': 1500, '9M': 4500, '18M': 9000}  # optimizer steps of 2,048 tokens: 3.07M, 9.22M, 18.4M tokens
 
@@ -116,15 +117,14 @@ LADDER_POINTS = (('0.4M', '3M'), ('1M', '3M'), ('1M', '9M'), ('0.4M', '18M'))  #
 LONG_POINTS = (('1M', '9M'), ('0.4M', '18M'))  # where blocks 2 and 5 run
 EMA_POINT = ('1M', '9M')                        # where blocks 3 and 6 run
 
-# block 5's grid for DyT at each long point: block 1's, moved down one doubling where DyT collapsed
-# at its middle rate, the baseline's best (1M, 8e-3: the loss jumped to 10.4 near step 590, just
-# after the LR warmup, and sat near 6.3 through step 1200, where the baseline's was 4.3-4.9;
-# 0.4M, 1.6e-2: val loss 6.42 at step 1500, the baseline's 4.85), so that the rate above it
-# (1.6e-2 and 3.2e-2) is not run; extended again if DyT's best lands at an edge. The 1M grid
-# gained 1e-3 before its lower rates ran: at 4e-3 DyT still sat near 6.2 (val 6.22 at step 750,
-# 6.19 at 1500), and a 900-step probe at 2e-3 (val 5.71 at step 750, the baseline's 4.85) was
-# better but still broken down, so 2e-3 was likely to be the edge
-DYT_LRS = {('1M', '9M'): (1e-3, 2e-3, 4e-3, 8e-3), ('0.4M', '18M'): (4e-3, 8e-3, 1.6e-2)}
+# block 5's grid for DyT at each long point: block 1's (the DyT paper, too, trains its DyT models
+# at their normalized baselines' tuned rates), extended if DyT's best lands at an edge
+DYT_LRS = {p: LADDER_LRS[p] for p in LONG_POINTS}
+# DyT without the DyT paper's embedding scalar ('dyt_noemb', GPTConfig.dyt_embed_scale=False): the
+# cells run before the scalar was added, kept as an ablation. It broke down just after the LR
+# warmup at the baseline's best rates and at 4e-3 (1M), stalling near val loss 6.2 where the
+# baseline was at 4.5-4.9, as the paper says it does ("training struggles to progress")
+DYT_NOEMB_LRS = {('1M', '9M'): (4e-3, 8e-3), ('0.4M', '18M'): (1.6e-2,)}
 
 # block 1's best rates, each bracketed, entered here as each point's grid finishes (test_study
 # checks every entry against study/results.json); blocks 2-6 run at them
@@ -147,7 +147,8 @@ def ladder_blocks(best):
     blocks = [[at(v, p, (best[p][v],), (2, 3)) for p in LONG_POINTS if p in best for v in ('baseline', 'internal')],
               [at('internal_ema', p, (best[p]['internal'],), (1, 2, 3)) for p in (EMA_POINT,) if p in best],
               [at('all', p, (best[p]['internal'],)) for p in LADDER_POINTS if p in best],
-              [at('dyt', p, DYT_LRS[p]) for p in LONG_POINTS if p in best],
+              [at('dyt', p, DYT_LRS[p]) for p in LONG_POINTS if p in best] +
+              [at('dyt_noemb', p, DYT_NOEMB_LRS[p]) for p in LONG_POINTS if p in best],
               [{**at('internal_rel', p, (best[p]['baseline'],), (1, 2)), **at('internal_rel', p, (2 * best[p]['internal'],)),
                 **at('internal', p, (best[p]['baseline'],), (1, 2)), **at('internal', p, (2 * best[p]['internal'],))}
                for p in (EMA_POINT,) if p in best]]  # the absolute cells at those rates: block 1's when in its grid

@@ -316,6 +316,21 @@ def test_dyt_is_gamma_tanh_alpha_h_plus_beta():
     assert np.allclose(m(h).detach().numpy(), want, rtol=0, atol=1e-12)
 
 
+def test_a_dyt_model_scales_its_embeddings_by_a_learnable_sqrt_d_as_the_dyt_paper_does_for_llms():
+    x = torch.randint(0, 64, (2, 16))
+    seen = {}
+    for scaled in (True, False):
+        model = tiny('dyt', taper='none', dyt_embed_scale=scaled)
+        model.transformer.h[0].ln_1.register_forward_hook(lambda m, args, out: seen.update({scaled: args[0]}))
+        model(x, x)
+        tr = model.transformer
+        emb = tr.wte.weight[x] + tr.wpe.weight[:16]  # (B, T, C), indexed by hand
+        assert torch.allclose(seen[scaled], emb * (32 ** 0.5 if scaled else 1.0), atol=1e-6)  # n_embd = 32
+        assert ('embed_scale' in model.state_dict()) == scaled
+    # RMSNorm models are untouched by the key
+    assert tiny('rmsnorm', taper='none').embed_scale is None
+
+
 def test_a_dyt_model_has_a_dyt_at_every_norm_with_the_papers_alpha0():
     from baselines import DyT
     model = tiny('dyt', taper='none')
@@ -328,10 +343,12 @@ def test_a_dyt_model_has_a_dyt_at_every_norm_with_the_papers_alpha0():
     _, loss = model(x, x)
     loss.backward()
     assert all(m.alpha.grad is not None and m.alpha.grad.abs() > 0 for m in norms.values())  # α learns
-    # α, γ and β are gains and biases: no weight decay
+    assert model.embed_scale.grad.abs() > 0  # so does the embedding scalar
+    # α, γ, β and the embedding scalar are gains and biases: no weight decay
     opt = train.configure_optimizer(model, 0.1, 1e-3, (0.9, 0.95), 'cpu')
     no_decay = {id(p) for g in opt.param_groups if g['weight_decay'] == 0 for p in g['params']}
     assert all(id(p) in no_decay for m in norms.values() for p in m.parameters())
+    assert id(model.embed_scale) in no_decay
     for bad in (dict(taper='internal'), dict(norm_removal='fakeln')):
         with pytest.raises(ValueError, match="norm='dyt' is a baseline of its own"):
             GPTConfig(norm='dyt', **bad)

@@ -259,7 +259,9 @@ def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_o
         assert (cfg['taper'], cfg['aux_weight'], cfg['norm'], cfg['calibration'], cfg['aux_form']) == {
             'baseline': ('none', 0.0, 'rmsnorm', 'end', 'absolute'), 'internal': ('internal', 0.1, 'rmsnorm', 'end', 'absolute'),
             'all': ('all', 0.1, 'rmsnorm', 'end', 'absolute'), 'internal_ema': ('internal', 0.1, 'rmsnorm', 'ema', 'absolute'),
-            'internal_rel': ('internal', 0.1, 'rmsnorm', 'end', 'relative'), 'dyt': ('none', 0.0, 'dyt', 'end', 'absolute')}[v]
+            'internal_rel': ('internal', 0.1, 'rmsnorm', 'end', 'relative'), 'dyt': ('none', 0.0, 'dyt', 'end', 'absolute'),
+            'dyt_noemb': ('none', 0.0, 'dyt', 'end', 'absolute')}[v]
+        assert cfg['dyt_embed_scale'] == (v != 'dyt_noemb'), name  # DyT's embedding scalar: named in each DyT cell
     # the longest run still fits in one pass of mix7's 18,508,995 training tokens (the refusal is train.py's)
     assert max(study.cell_config(a)['max_iters'] for a in cells.values()) * 16 <= (18_508_995 - 1) // 128
 
@@ -274,8 +276,9 @@ def test_blocks_2_to_6_run_at_block_1s_best_rates_in_the_order_of_priority():
         'internal-0.4M-t18M-lr0.04-s2', 'internal-0.4M-t18M-lr0.04-s3',                                     # block 2
         'internal_ema-1M-t9M-lr0.005-s1', 'internal_ema-1M-t9M-lr0.005-s2', 'internal_ema-1M-t9M-lr0.005-s3',  # 3
         'all-0.4M-t3M-lr0.02-s1', 'all-1M-t9M-lr0.005-s1', 'all-0.4M-t18M-lr0.04-s1',                           # 4
-        'dyt-1M-t9M-lr0.001-s1', 'dyt-1M-t9M-lr0.002-s1', 'dyt-1M-t9M-lr0.004-s1', 'dyt-1M-t9M-lr0.008-s1',  # 5: DYT_LRS
-        'dyt-0.4M-t18M-lr0.004-s1', 'dyt-0.4M-t18M-lr0.008-s1', 'dyt-0.4M-t18M-lr0.016-s1',
+        'dyt-1M-t9M-lr0.004-s1', 'dyt-1M-t9M-lr0.008-s1', 'dyt-1M-t9M-lr0.016-s1',                              # 5: DYT_LRS
+        'dyt-0.4M-t18M-lr0.008-s1', 'dyt-0.4M-t18M-lr0.016-s1', 'dyt-0.4M-t18M-lr0.032-s1',
+        'dyt_noemb-1M-t9M-lr0.004-s1', 'dyt_noemb-1M-t9M-lr0.008-s1', 'dyt_noemb-0.4M-t18M-lr0.016-s1',     # the ablation
         'internal_rel-1M-t9M-lr0.01-s1', 'internal_rel-1M-t9M-lr0.01-s2',
         'internal-1M-t9M-lr0.01-s1', 'internal-1M-t9M-lr0.01-s2']                                              # 6
     assert list(study.ladder_blocks({})) == []  # nothing runs before its point's best rates are known
