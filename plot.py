@@ -89,7 +89,7 @@ def ladder_plot(plt, results_path, out, title):
         tokens = c['max_iters'] * c['batch_size'] * c['block_size'] * c['gradient_accumulation_steps']
         for v, (lr, by_seed, note) in by_v.items():
             gaps = study.paired_gap(by_seed, base[1])
-            if v != 'baseline' and gaps:
+            if v != 'baseline' and v not in study.LADDER_ABLATIONS and gaps:
                 lines.setdefault((size, v), []).append((tokens, gaps, [x['final_val_loss'] for x in by_seed.values()
                                                                        if x['status'] == 'finished'],
                                                         bool(note or base[2])))  # a best rate not yet settled

@@ -125,6 +125,7 @@ DYT_LRS = {p: LADDER_LRS[p] for p in LONG_POINTS}
 # warmup at the baseline's best rates and at 4e-3 (1M), stalling near val loss 6.2 where the
 # baseline was at 4.5-4.9, as the paper says it does ("training struggles to progress")
 DYT_NOEMB_LRS = {('1M', '9M'): (4e-3, 8e-3), ('0.4M', '18M'): (1.6e-2,)}
+LADDER_ABLATIONS = ('dyt_noemb',)  # in the tables, not on the plot: no bracketed best rate
 
 # block 1's best rates, each bracketed, entered here as each point's grid finishes (test_study
 # checks every entry against study/results.json); blocks 2-6 run at them

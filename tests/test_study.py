@@ -393,9 +393,11 @@ def test_the_ladder_plot_draws_each_variants_paired_gap_against_tokens(tmp_path,
     import matplotlib.pyplot as plt
     import plot
     monkeypatch.setitem(study.MATRICES, 'ladder',  # the plot draws the cells of its matrix
-                        study.ladder_cells(('baseline', 'internal'), '1M', '3M', (4e-3, 8e-3, 1.6e-2), (1, 2)))
+                        {**study.ladder_cells(('baseline', 'internal'), '1M', '3M', (4e-3, 8e-3, 1.6e-2), (1, 2)),
+                         **study.ladder_cells(('dyt_noemb',), '1M', '3M', (8e-3,))})
     cell = lambda loss: {'status': 'finished', 'final_val_loss': loss}
-    cells = {'baseline-1M-t3M-lr0.004-s1': cell(5.0), 'baseline-1M-t3M-lr0.008-s1': cell(4.8),
+    cells = {'dyt_noemb-1M-t3M-lr0.008-s1': cell(5.0),  # an ablation: tabulated, never plotted
+             'baseline-1M-t3M-lr0.004-s1': cell(5.0), 'baseline-1M-t3M-lr0.008-s1': cell(4.8),
              'baseline-1M-t3M-lr0.016-s1': cell(4.9), 'internal-1M-t3M-lr0.004-s1': cell(4.7),
              'internal-1M-t3M-lr0.008-s1': cell(4.75),
              'internal-1M-t3M-lr0.016-s1': {'status': 'diverged', 'diverged_at': 300},
@@ -404,6 +406,7 @@ def test_the_ladder_plot_draws_each_variants_paired_gap_against_tokens(tmp_path,
     plot.main([f'--ladder={tmp_path / "results.json"}', f'--out={tmp_path / "l.png"}'])
     handles, labels = plt.gcf().axes[0].get_legend_handles_labels()
     bars = handles[labels.index('internal, 1M model')]
+    assert labels[1:] == ['internal, 1M model']  # after the paper's band; the ablation (+4.2 %) is not drawn
     line = bars.lines[0]
     assert list(line.get_xdata()) == [1500 * 16 * 128]  # the 3M point: 1500 steps of 2,048 tokens
     gaps = [100 * (4.7 / 4.8 - 1), 100 * (4.75 / 4.8 - 1)]  # each at its best rate, paired by seed
