@@ -118,8 +118,10 @@ LONG_POINTS = (('1M', '9M'), ('0.4M', '18M'))  # where blocks 2 and 5 run
 EMA_POINT = ('1M', '9M')                        # where blocks 3 and 6 run
 
 # block 5's grid for DyT at each long point: block 1's (the DyT paper, too, trains its DyT models
-# at their normalized baselines' tuned rates), extended if DyT's best lands at an edge
-DYT_LRS = {p: LADDER_LRS[p] for p in LONG_POINTS}
+# at their normalized baselines' tuned rates), extended where DyT's best landed at its lower edge:
+# 1M: 4e-3 4.2919, 8e-3 4.2983, 1.6e-2 4.5011, so 2e-3 joins; 0.4M: 8e-3 4.3655, 1.6e-2 4.3669,
+# so 4e-3 joins, and 3.2e-2, a doubling above a rate already no better, leaves
+DYT_LRS = {('1M', '9M'): (2e-3, 4e-3, 8e-3, 1.6e-2), ('0.4M', '18M'): (4e-3, 8e-3, 1.6e-2)}
 # DyT without the DyT paper's embedding scalar ('dyt_noemb', GPTConfig.dyt_embed_scale=False): the
 # cells run before the scalar was added, kept as an ablation. It broke down just after the LR
 # warmup at the baseline's best rates and at 4e-3 (1M), stalling near val loss 6.2 where the

@@ -276,8 +276,8 @@ def test_blocks_2_to_6_run_at_block_1s_best_rates_in_the_order_of_priority():
         'internal-0.4M-t18M-lr0.04-s2', 'internal-0.4M-t18M-lr0.04-s3',                                     # block 2
         'internal_ema-1M-t9M-lr0.005-s1', 'internal_ema-1M-t9M-lr0.005-s2', 'internal_ema-1M-t9M-lr0.005-s3',  # 3
         'all-0.4M-t3M-lr0.02-s1', 'all-1M-t9M-lr0.005-s1', 'all-0.4M-t18M-lr0.04-s1',                           # 4
-        'dyt-1M-t9M-lr0.004-s1', 'dyt-1M-t9M-lr0.008-s1', 'dyt-1M-t9M-lr0.016-s1',                              # 5: DYT_LRS
-        'dyt-0.4M-t18M-lr0.008-s1', 'dyt-0.4M-t18M-lr0.016-s1', 'dyt-0.4M-t18M-lr0.032-s1',
+        'dyt-1M-t9M-lr0.002-s1', 'dyt-1M-t9M-lr0.004-s1', 'dyt-1M-t9M-lr0.008-s1', 'dyt-1M-t9M-lr0.016-s1',  # 5: DYT_LRS
+        'dyt-0.4M-t18M-lr0.004-s1', 'dyt-0.4M-t18M-lr0.008-s1', 'dyt-0.4M-t18M-lr0.016-s1',
         'dyt_noemb-1M-t9M-lr0.004-s1', 'dyt_noemb-1M-t9M-lr0.008-s1', 'dyt_noemb-0.4M-t18M-lr0.016-s1',     # the ablation
         'internal_rel-1M-t9M-lr0.01-s1', 'internal_rel-1M-t9M-lr0.01-s2',
         'internal-1M-t9M-lr0.01-s1', 'internal-1M-t9M-lr0.01-s2']                                              # 6
