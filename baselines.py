@@ -35,9 +35,9 @@ class DyT(nn.Module):
     Models"): a learnable scalar multiplies the embeddings before the first block, √d at init
     (GPT.embed_scale; GPTConfig.dyt_embed_scale=False leaves it out). Without it the first DyT's
     input is the embeddings' sum, RMS near 0.03 (wte and wpe of std 0.02), about 30× below the
-    unit RMS that RMSNorm's output has, and the paper reports that training "struggles to progress"; here, without it, DyT broke down after
-    the LR warmup at the baseline's best rates (docs/results.md, part 3, block 5). The scalar is
-    not weight-decayed either. It takes the same (h, gate, pos) as the other norms and ignores the
+    unit RMS that RMSNorm's output has, and the paper reports that training "struggles to
+    progress"; here, without it, DyT stalled early and ended 5-31 % above the baseline
+    (docs/results.md, part 3, block 5). The scalar is not weight-decayed either. It takes the same (h, gate, pos) as the other norms and ignores the
     last two. h: (..., d) -> (..., d).
     """
 

@@ -84,14 +84,15 @@ def lr_cells(variants, lrs, seeds=(1,), size=''):
 # part 3, the budget ladder: mix7 (the seven corpora, 18.5M training tokens) read once, in
 # config/cpu.py's proportions (W, the LR warmup: 10 % of the run, T: 50 %; min_lr = lr / 10)
 BASE7 = ['config/tinystories_baseline.py', 'config/cpu.py', '--dataset=mix7', '--sampler=epoch']
+DYT7 = ['--norm=dyt', '--taper=none', '--aux_weight=0.0', '--calibration=end']
 VARIANTS7 = {  # every cell names its calibration ('end' where nothing tapers: the records' configs as they ran)
     'baseline': VARIANTS['baseline'] + ['--calibration=end'],
     'internal': VARIANTS['internal'] + ['--calibration=end'],
     'all': VARIANTS['all'] + ['--calibration=end'],
     'internal_ema': VARIANTS['internal'] + ['--calibration=ema'],                          # the paper's calibration
     'internal_rel': VARIANTS['internal'] + ['--calibration=end', '--aux_form=relative'],  # beyond the paper
-    'dyt': ['--norm=dyt', '--taper=none', '--aux_weight=0.0', '--calibration=end', '--dyt_embed_scale=True'],
-    'dyt_noemb': ['--norm=dyt', '--taper=none', '--aux_weight=0.0', '--calibration=end', '--dyt_embed_scale=False'],
+    'dyt': DYT7 + ['--dyt_embed_scale=True'],        # with the DyT paper's embedding scalar
+    'dyt_noemb': DYT7 + ['--dyt_embed_scale=False'],  # without it: the ablation
 }
 BUDGETS = {'3M': 1500, '9M': 4500, '18M': 9000}  # optimizer steps of 2,048 tokens: 3.07M, 9.22M, 18.4M tokens
 
