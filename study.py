@@ -383,12 +383,16 @@ def on_device(cells, device, study_dir):
 
 
 def provenance(wall_s, threads, args):
-    """Where and with what a cell ran: git commit, torch, threads, seconds, device and dtype."""
+    """Where and with what a cell ran: git commit, torch, threads, seconds, device and dtype, and on
+    a CPU the instruction set torch's kernels used (AVX2, AVX512, ...): two hosts with the same
+    torch can round differently, so a cell rerun elsewhere matches only to within float noise,
+    which training amplifies (docs/results.md, part 3's rerun control)."""
     cfg = cell_config(args)
     dev, dtype = resolve_device(cfg['device'], cfg['dtype'])
     where = f"{dev}: {torch.cuda.get_device_name(dev)}" if dev.startswith('cuda') else dev
+    cpu = {} if dev.startswith('cuda') else dict(cpu_capability=torch.backends.cpu.get_cpu_capability())
     return dict(git_commit=git_commit(), torch=torch.__version__, threads=threads, wall_s=wall_s,
-                device=where, dtype=dtype)
+                device=where, dtype=dtype, **cpu)
 
 
 # ---- tables -----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import configurator
 import study
@@ -33,6 +34,7 @@ def test_two_cells_run_skip_resume_and_record_divergence(tiny_matrix, tmp_path, 
     for name, c in cells.items():
         assert c['status'] == 'finished' and c['threads'] == 1 and c['torch'] and 'git_commit' in c
         assert (c['device'], c['dtype']) == ('cpu', 'float32')  # the tiny matrix's --device=cpu, resolved
+        assert c['cpu_capability'] == torch.backends.cpu.get_cpu_capability()  # rounding can differ by host
         log = [json.loads(line) for line in open(out / name / 'log.jsonl')]
         assert c['final_val_loss'] == log[-1]['final_val_loss']
         assert c['final_train_loss'] == log[-1]['final_train_loss']
