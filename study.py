@@ -45,7 +45,7 @@ run = True                  # train the cells that are not finished
 table = True                # print the tables of the matrix's finished cells
 only = ''                   # run and report only these cells of the matrix (comma-separated names)
 device = ''                 # '': each cell's own (config/cpu.py's: cpu); 'cuda': every cell there in float32, into its own --study_dir
-readme = ''                 # also write them into this markdown file (docs/results.md), between <!-- study:MATRIX --> and <!-- /study:MATRIX -->
+readme = ''                 # also write them into this markdown file (docs/results.md, README.md), between <!-- study:MATRIX --> and <!-- /study:MATRIX --> (and <!-- study:MATRIX:PART --> blocks: TABLES)
 # -----------------------------------------------------------------------------
 DEFAULTS = dict(defaults_of(globals()), __file__=__file__, __doc__=__doc__)  # before anything else is defined
 
@@ -267,6 +267,11 @@ def summarize(records):
     return out
 
 
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
 def atomic_write_json(obj, path):
     tmp = path + '.tmp'
     with open(tmp, 'w') as f:
@@ -297,8 +302,39 @@ class Results:
             atomic_write_json(self.data, self.path)
 
 
+def open_segment(out_dir):
+    """Start the wall-time account of one train.py run of a cell in out_dir/segments.json
+    ([[start, end], ...], Unix seconds). A segment left open (its driver was stopped before the run
+    returned) is closed at the last write to the cell's train.out or log.jsonl, the run's last
+    output, so a resumed cell's wall time covers every segment it ran, not only its last. A cell
+    resumed from a checkpoint written before this account began gets a segment [None, None]:
+    unknown, and its record says so (wall_s_partial)."""
+    path = os.path.join(out_dir, 'segments.json')
+    segments = read_json(path) if os.path.exists(path) else []
+    if not segments and os.path.exists(os.path.join(out_dir, 'ckpt.pt')):
+        segments.append([None, None])
+    if segments and segments[-1][0] is not None and segments[-1][1] is None:
+        outputs = [os.path.join(out_dir, f) for f in ('train.out', 'log.jsonl')]
+        segments[-1][1] = max([os.path.getmtime(f) for f in outputs if os.path.exists(f)], default=segments[-1][0])
+    segments.append([time.time(), None])
+    atomic_write_json(segments, path)
+
+
+def close_segment(out_dir):
+    """Close the segment open_segment started; returns the cell's wall-time fields: wall_s, the
+    seconds of every known segment, segments, how many train.py runs it took, and wall_s_partial
+    where one of them is unknown."""
+    path = os.path.join(out_dir, 'segments.json')
+    segments = read_json(path)
+    segments[-1][1] = time.time()
+    atomic_write_json(segments, path)
+    known = [end - start for start, end in segments if start is not None]
+    return dict(wall_s=sum(known), segments=len(segments), **({'wall_s_partial': True} if len(known) < len(segments) else {}))
+
+
 def run_cell(name, args, out_dir, results, threads):
-    """Train one cell to its end (or its divergence) and record it. Returns its status."""
+    """Train one cell to its end (or its divergence) and record it, its wall time summed over every
+    train.py run it took (open_segment). Returns its status."""
     records = read_log(out_dir)
     if any('final_val_loss' in r for r in records):
         status = 'finished'
@@ -311,11 +347,11 @@ def run_cell(name, args, out_dir, results, threads):
             cmd.append('--init_from=resume')
         os.makedirs(out_dir, exist_ok=True)
         print(f"{name}: {'resuming' if resume else 'starting'}", flush=True)
-        t0 = time.time()
+        open_segment(out_dir)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         with open(os.path.join(out_dir, 'train.out'), 'a') as out:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
-        wall = time.time() - t0
+        wall = close_segment(out_dir)
         with open(os.path.join(out_dir, 'train.out')) as f:
             tail = f.read()[-2000:]
         if proc.returncode != 0:
@@ -332,12 +368,12 @@ def run_cell(name, args, out_dir, results, threads):
         results.put(name, dict(status=status, args=args, data=data_of(args), **provenance(wall, threads, args),
                                **summarize(records)))
         print(f"{name}: final_val_loss {results.data['cells'][name]['final_val_loss']:.4f} "
-              f"({wall / 60:.1f} min)", flush=True)
+              f"({wall['wall_s'] / 60:.1f} min over {wall['segments']} run(s))", flush=True)
         return status
     # a finished cell's summary is rebuilt from its log, so a new summary field reaches old cells
     old = results.data['cells'].get(name)
     if old is None or old.get('status') != 'finished':  # finished before results.json knew
-        old = dict(status=status, args=args, **provenance(None, threads, args))
+        old = dict(status=status, args=args, **provenance({'wall_s': None}, threads, args))
     new = {**old, **summarize(records)}
     if new != old:
         results.put(name, new)
@@ -382,8 +418,9 @@ def on_device(cells, device, study_dir):
     return {n: a + [f'--device={device}', '--dtype=float32'] for n, a in cells.items()}
 
 
-def provenance(wall_s, threads, args):
-    """Where and with what a cell ran: git commit, torch, threads, seconds, device and dtype, and on
+def provenance(wall, threads, args):
+    """Where and with what a cell ran: git commit, torch, threads, the wall-time fields of
+    close_segment ({'wall_s': seconds, ...}), device and dtype, and on
     a CPU the instruction set torch's kernels used (AVX2, AVX512, ...): two hosts with the same
     torch can round differently, so a cell rerun elsewhere matches only to within float noise,
     which training amplifies (docs/results.md, part 3's rerun control)."""
@@ -391,7 +428,7 @@ def provenance(wall_s, threads, args):
     dev, dtype = resolve_device(cfg['device'], cfg['dtype'])
     where = f"{dev}: {torch.cuda.get_device_name(dev)}" if dev.startswith('cuda') else dev
     cpu = {} if dev.startswith('cuda') else dict(cpu_capability=torch.backends.cpu.get_cpu_capability())
-    return dict(git_commit=git_commit(), torch=torch.__version__, threads=threads, wall_s=wall_s,
+    return dict(git_commit=git_commit(), torch=torch.__version__, threads=threads, **wall,
                 device=where, dtype=dtype, **cpu)
 
 
@@ -401,6 +438,48 @@ def mean_sd(xs):
     return (statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else float('nan'))
 
 
+def t_quantile(p, df):
+    """The p-quantile of Student's t distribution with df degrees of freedom (0.5 < p < 1, df a
+    whole number >= 1): bisection on its CDF in closed form, P(|T| <= t) as Abramowitz & Stegun
+    26.7.3 (odd df) and 26.7.4 (even df) write it (scipy.stats.t.ppf, without needing scipy).
+    ValueError for a p or df outside those ranges."""
+    if not 0.5 < p < 1 or df < 1 or df != int(df):
+        raise ValueError(f"t_quantile(p={p}, df={df}): needs 0.5 < p < 1 and a whole df >= 1")
+
+    def central(t):  # P(|T| <= t) with theta = atan(t / sqrt(df))
+        theta = math.atan(t / math.sqrt(df))
+        s, c = math.sin(theta), math.cos(theta)
+        total, term = 0.0, 1.0
+        if df % 2:  # (2/pi) (theta + sin(theta) (cos + 2/3 cos^3 + ... + 2·4···(df−3)/(1·3···(df−2)) cos^(df−2)))
+            for k in range((df - 1) // 2):
+                term = c if k == 0 else term * c * c * (2 * k) / (2 * k + 1)
+                total += term
+            return 2 / math.pi * (theta + s * total)
+        for k in range(df // 2):  # sin(theta) (1 + 1/2 cos^2 + 1·3/(2·4) cos^4 + ... up to cos^(df−2))
+            term = 1.0 if k == 0 else term * c * c * (2 * k - 1) / (2 * k)
+            total += term
+        return s * total
+
+    lo, hi = 0.0, 1.0
+    while central(hi) < 2 * p - 1:
+        lo, hi = hi, 2 * hi
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if central(mid) < 2 * p - 1 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def mean_interval(xs, level=0.95):
+    """(mean, sd, low, high) of xs: the two-sided `level` confidence interval of the mean,
+    mean ± t_{(1+level)/2, n−1} · sd / sqrt(n); sd, low and high are nan for one value (no spread
+    to measure, no interval)."""
+    m, sd = mean_sd(xs)
+    if len(xs) < 2:
+        return m, sd, float('nan'), float('nan')
+    half = t_quantile((1 + level) / 2, len(xs) - 1) * sd / math.sqrt(len(xs))
+    return m, sd, m - half, m + half
+
+
 def fmt(m_sd, digits=4, pct=False):
     m, sd = m_sd
     if pct:
@@ -408,9 +487,20 @@ def fmt(m_sd, digits=4, pct=False):
     return f"{m:.{digits}f}" if math.isnan(sd) else f"{m:.{digits}f} ± {sd:.{digits}f}"
 
 
-# which tables a matrix reports: step times only from runs that had the machine to themselves
+def fmt_gap(gaps):
+    """Per-seed % gaps as 'mean ± sd % [low, high]' (the 95 % interval, t on n − 1 df), or
+    'gap % (one seed: no interval)'."""
+    m, sd, lo, hi = mean_interval(gaps)
+    if math.isnan(sd):
+        return f"{m:+.2f} % (one seed: no interval)"
+    return f"{m:+.2f} ± {sd:.2f} % [{lo:+.2f}, {hi:+.2f}]"
+
+
+# which tables a matrix reports (step times only from runs that had the machine to themselves), by
+# markdown block: <!-- study:MATRIX --> holds the matrix's own tables, <!-- study:MATRIX:PART --> more
+# of its tables for another place (the ladder's summary, atop docs/results.md and in the README)
 TABLES = {'timing': ('steps',), 'lr': ('lr',), '3M_lr': ('lr',), 'chasing': ('chasing',), 'gpt2proxy': ('losses',),
-          'ladder': ('ladder_sizes', 'ladder')}
+          'ladder': ('ladder_sizes', 'ladder'), 'ladder:summary': ('ladder_summary',)}
 
 
 def tables(cells, parts=('losses', 'scales'), args=None, everything=None):
@@ -418,7 +508,8 @@ def tables(cells, parts=('losses', 'scales'), args=None, everything=None):
     (over seeds, with the per-seed paired difference to the baseline), 'scales' (the calibrate
     event and the scale diagnostics), 'steps' (median step time per phase vs the baseline's),
     'lr' (each variant at its best learning rate), 'chasing' (the taper's spike and the scale
-    diagnostics against the baseline at the same learning rate). args: {name: train.py
+    diagnostics against the baseline at the same learning rate), 'ladder', 'ladder_sizes' and
+    'ladder_summary' (part 3: ladder_table, ladder_sizes, ladder_summary). args: {name: train.py
     arguments} of the cells; everything: all cells of the results file (the baselines 'chasing'
     compares with)."""
     groups = {}
@@ -429,7 +520,8 @@ def tables(cells, parts=('losses', 'scales'), args=None, everything=None):
     make = {'losses': lambda: loss_table(groups, base_name), 'scales': lambda: scale_table(groups, base_name),
             'steps': lambda: step_table(groups, base_name), 'lr': lambda: lr_table(cells, args),
             'chasing': lambda: chasing_table(cells, args, everything or cells),
-            'ladder': lambda: ladder_table(cells, args), 'ladder_sizes': lambda: ladder_sizes(cells, args)}
+            'ladder': lambda: ladder_table(cells, args), 'ladder_sizes': lambda: ladder_sizes(cells, args),
+            'ladder_summary': lambda: ladder_summary(cells, args)}
     return '\n\n'.join(make[p]() for p in parts)
 
 
@@ -502,41 +594,77 @@ def seeds(xs):
         else 's' + ','.join(map(str, xs))
 
 
+def calibration_of(v, by_seed):
+    """The calibration a part-3 variant's cells ran with ('end' or 'ema'), read from their records'
+    arguments (VARIANTS7's where a record has none), or '—' where nothing tapers."""
+    args = next((c['args'] for c in by_seed.values() if c.get('args')), VARIANTS7.get(v, []))
+    value = lambda key, default: next((a.split('=', 1)[1] for a in reversed(args) if a.startswith(f'--{key}=')), default)
+    return '—' if value('taper', 'none') == 'none' else value('calibration', '?')
+
+
+def rates_tried(cells, v, size, budget):
+    """The peak learning rates a part-3 variant ran at a point with seed 1 (the grid its best is chosen on)."""
+    return sorted({float(n.split('-')[3][2:]) for n in cells
+                   if n.startswith(f'{v}-{size}-t{budget}-') and n.endswith('-s1')})
+
+
+def rate_how(note, n_rates):
+    """How a best rate of ladder_best (its note, and the number of rates run at seed 1) was found:
+    '' when bracketed by a grid of three or more, 'edge' at that grid's edge, 'so far' while
+    the grid runs; for one or two rates no best at all: 'only rate run', 'better of two'."""
+    how = note if n_rates > 2 or note == '(so far)' else 'only rate run' if n_rates == 1 else 'better of two'
+    return how.strip('()')
+
+
+def rate_label(lr, note, n_rates):
+    """A best rate as the tables write it: '0.008', or '0.008 (HOW)' (rate_how)."""
+    how = rate_how(note, n_rates)
+    return f"{lr:g}" + (f" ({how})" if how else '')
+
+
 def ladder_sizes(cells, args):
-    """Part 3's result, one table per model size: each variant's final val loss at its best
-    learning rate at each budget (mean ± sd over the seeds run there), the rate and seeds, and the
-    paired gap to the baseline at the baseline's best rate (mean ± sd of the per-seed gaps)."""
+    """Part 3's result, one table per model size: each variant (with the calibration its cells ran)
+    at its best learning rate at each budget: the final val loss (mean ± sd over the seeds run
+    there), the rate (marked where it is no bracketed best: rate_label) and seeds, and the paired
+    gap to the baseline at the baseline's best rate (mean ± sd of the per-seed gaps, with its 95 %
+    interval, t on n − 1 df: fmt_gap)."""
     best = ladder_best(cells, args)
     out = []
     for size in sorted({p[0] for p in best}, key=lambda s: float(s[:-1])):
         budgets = sorted((p[1] for p in best if p[0] == size), key=lambda b: float(b[:-1]))
         variants = [v for v in VARIANTS7 if any(v in best[size, b] for b in budgets)]
-        lines = [f"**{size} model**", "", "| variant | " + " | ".join(f"{b} tokens" for b in budgets) + " |",
+        lines = [f"**{size} model**", "", "| variant (calibration) | " + " | ".join(f"{b} tokens" for b in budgets) + " |",
                  "|---|" + "---|" * len(budgets)]
         for v in variants:
-            row = []
+            row, cal = [], '—'
             for b in budgets:
                 if v not in best[size, b]:
                     row.append('—')
                     continue
                 lr, by_seed, note = best[size, b][v]
+                cal = calibration_of(v, by_seed)
                 done = [c['final_val_loss'] for c in by_seed.values() if c['status'] == 'finished']
                 base = best[size, b].get('baseline')
                 gap = paired_gap(by_seed, base[1]) if base and v != 'baseline' else []
-                row.append((fmt(mean_sd(done)) if done else 'diverged') + f" (lr {lr:g}{' ' * bool(note)}{note.strip('()')}, "
-                           f"{seeds(by_seed)})" + (f": {fmt(mean_sd(gap), pct=True)}" if gap else ''))
-            lines.append(f"| {v} | " + " | ".join(row) + " |")
+                how = rate_how(note, len(rates_tried(cells, v, size, b)))
+                row.append((fmt(mean_sd(done)) if done else 'diverged') +
+                           f" (lr {lr:g}{', ' * bool(how)}{how}, {seeds(by_seed)})" +
+                           (f": {fmt_gap(gap)}" if gap else ''))
+            lines.append(f"| {v}" + (f" ('{cal}')" if cal != '—' else '') + " | " + " | ".join(row) + " |")
         out.append('\n'.join(lines))
     return '\n\n'.join(out)
 
 
 def ladder_table(cells, args):
-    """One row per (size, budget, variant) of part 3: the learning rates tried, the best one, the
-    final val loss there (mean ± sd over seeds), the paired gap to the baseline at its own best
-    rate (per seed run by both), and val − train there (mean over seeds: part 1's tapered models
-    fitted the training text faster; this says whether that lasts as the budget grows)."""
-    lines = ["| size | tokens | variant | lrs tried: final val loss | best lr | final val loss (seeds) | "
-             "vs baseline at its best (paired) | val − train |", "|---|---|---|---|---|---|---|---|"]
+    """One row per (size, budget, variant) of part 3: the calibration its cells ran with, the
+    learning rates tried (seed 1), the best one (rate_label), the final val loss there (mean ± sd
+    over seeds), the paired gap to the baseline at its own best rate (per seed run by both: mean ±
+    sd and the 95 % interval of the mean, t on n − 1 df), and val − train there (mean over seeds:
+    the val split is the last ~5 % of each source file, text unlike the training windows, so this
+    is a distribution shift as much as fitting; compare it between variants at one seed)."""
+    lines = ["| size | tokens | variant | calibration | lrs tried (seed 1): final val loss | best lr | "
+             "final val loss (seeds) | vs baseline at its best, paired: mean ± sd [95 % interval] | val − train |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for (size, budget), by_v in sorted(ladder_best(cells, args).items(), key=lambda kv: (kv[0][0], float(kv[0][1][:-1]))):
         base = by_v.get('baseline')
         for v, (lr, by_seed, note) in by_v.items():
@@ -549,8 +677,49 @@ def ladder_table(cells, args):
             loss = fmt(mean_sd([c['final_val_loss'] for c in done.values()])) if done else '—'
             fit = (f"{statistics.mean(c['final_val_loss'] - c['final_train_loss'] for c in done.values()):.3f}"
                    if done else '—')
-            lines.append(f"| {size} | {budget} | {v} | {grid} | {lr:g}{' ' * bool(note)}{note} | {loss} ({','.join(map(str, sorted(done)))}) | "
-                         f"{fmt(mean_sd(paired), pct=True) if paired else '—'} | {fit} |")
+            lines.append(f"| {size} | {budget} | {v} | {calibration_of(v, by_seed)} | {grid} | "
+                         f"{rate_label(lr, note, len(tried))} | {loss} ({','.join(map(str, sorted(done)))}) | "
+                         f"{fmt_gap(paired) if paired else '—'} | {fit} |")
+    return '\n'.join(lines)
+
+
+# the summary table (ladder_summary): each method's family of part-3 variants, the users' default
+# calibration ('ema') first where it was measured; and the paper's TinyStories band (% above the
+# RMSNorm baseline, 1M-30M parameters: method.md §6), where it reports one
+SUMMARY_VARIANTS = (('baseline (RMSNorm)', ('baseline',)), ('Internal-Taper', ('internal_ema', 'internal')),
+                    ('All-Taper', ('all_ema', 'all')), ('DyT', ('dyt',)))
+PAPER_BAND = {'Internal-Taper': (0.7, 1.5), 'All-Taper': (0.8, 1.8)}
+
+
+def ladder_summary(cells, args):
+    """The study's answer in one table: at each model size's longest budget measured, the baseline,
+    Internal-Taper, All-Taper and DyT (SUMMARY_VARIANTS: the default calibration 'ema' where its
+    cells exist, else 'end', as labelled) at their best learning rate (rate_label), with seeds, the
+    final val loss (mean ± sd), the paired gap to the baseline at its best rate with its 95 %
+    interval (fmt_gap), and the paper's band beside it (PAPER_BAND)."""
+    best = ladder_best(cells, args)
+    longest = {}
+    for size, budget in best:
+        if 'baseline' in best[size, budget] and float(budget[:-1]) > float(longest.get(size, '0M')[:-1]):
+            longest[size] = budget
+    lines = ["| variant | calibration | model, tokens of mix7 (read once) | lr | seeds | final val loss | "
+             "vs baseline, paired: mean ± sd [95 % interval] | the paper (TinyStories) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for label, keys in SUMMARY_VARIANTS:
+        for size in sorted(longest, key=lambda s: -float(s[:-1])):
+            point = (size, longest[size])
+            v = next((k for k in keys if k in best[point]), None)
+            if v is None:
+                continue
+            lr, by_seed, note = best[point][v]
+            done = [c['final_val_loss'] for c in by_seed.values() if c['status'] == 'finished']
+            gap = paired_gap(by_seed, best[point]['baseline'][1]) if v != 'baseline' else []
+            band = PAPER_BAND.get(label)
+            how = rate_how(note, len(rates_tried(cells, v, *point))) or 'bracketed'
+            lines.append(f"| {label} | {calibration_of(v, by_seed)} | {size}, {point[1]} | "
+                         f"{lr:g} ({how}) | {seeds(by_seed)} | "
+                         f"{fmt(mean_sd(done)) if done else 'diverged'} | {fmt_gap(gap) if gap else '—'} | "
+                         f"{f'+{band[0]:g} to +{band[1]:g} %' if band else '—'} |")
     return '\n'.join(lines)
 
 
@@ -647,15 +816,21 @@ def step_table(groups, base_name):
     return '\n'.join(lines)
 
 
-def write_between_markers(path, matrix, text):
-    """Replace what lies between <!-- study:MATRIX --> and <!-- /study:MATRIX --> in a markdown file."""
-    start, end = f'<!-- study:{matrix} -->', f'<!-- /study:{matrix} -->'
-    doc = open(path, encoding='utf-8').read()
-    if start not in doc or end not in doc:
-        raise SystemExit(f"{path} has no {start} ... {end} block to fill")
-    head, rest = doc.split(start, 1)
+def write_between_markers(path, blocks):
+    """Replace what lies between <!-- study:BLOCK --> and <!-- /study:BLOCK --> in a markdown file,
+    for each {BLOCK: text} whose markers the file holds; SystemExit if it holds none of them."""
+    with open(path, encoding='utf-8') as f:
+        doc = f.read()
+    marks = lambda b: (f'<!-- study:{b} -->', f'<!-- /study:{b} -->')
+    present = [b for b in blocks if all(m in doc for m in marks(b))]
+    if not present:
+        raise SystemExit(f"{path} has no " + " or ".join(' ... '.join(marks(b)) for b in blocks) + " block to fill")
+    for b in present:
+        start, end = marks(b)
+        head, rest = doc.split(start, 1)
+        doc = head + start + '\n' + blocks[b] + '\n' + end + rest.split(end, 1)[1]
     with open(path, 'w', encoding='utf-8') as f:
-        f.write(head + start + '\n' + text + '\n' + end + rest.split(end, 1)[1])
+        f.write(doc)
 
 
 def main(argv):
@@ -682,10 +857,12 @@ def main(argv):
         results.data = results.read()  # with what another driver has written meanwhile
         done = {n: results.data['cells'][n] for n in cells if n in results.data['cells']}
         check_comparable(done, cells)
-        text = tables(done, TABLES.get(cfg.matrix, ('losses', 'scales')), cells, results.data['cells'])
-        print(text)
+        parts = {cfg.matrix: TABLES.get(cfg.matrix, ('losses', 'scales')),
+                 **{b: p for b, p in TABLES.items() if b.startswith(cfg.matrix + ':')}}
+        blocks = {b: tables(done, p, cells, results.data['cells']) for b, p in parts.items()}
+        print('\n\n'.join(blocks.values()))
         if cfg.readme:
-            write_between_markers(cfg.readme, cfg.matrix, text)
+            write_between_markers(cfg.readme, blocks)
     return results.data
 
 

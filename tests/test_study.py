@@ -4,6 +4,7 @@ import hashlib
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -64,13 +65,29 @@ def test_two_cells_run_skip_resume_and_record_divergence(tiny_matrix, tmp_path, 
     study.main(['--matrix=tiny', f'--study_dir={out}', '--table=False'])
     assert (out / 'all-end-s1' / 'log.jsonl').read_text() == before
 
-    # a half-finished cell (its final record gone, its checkpoint there) continues with resume
+    # a half-finished cell (its final record gone, its checkpoint there) continues with resume, and
+    # its wall time covers every run: here a first one of 100 s, and one whose driver was stopped
+    # (no end written) after its last output at 2050 s, 50 s after it started
+    cell_dir = out / 'all-end-s1'
     lines = before.splitlines(keepends=True)
-    (out / 'all-end-s1' / 'log.jsonl').write_text(''.join(lines[:-1]))
+    (cell_dir / 'log.jsonl').write_text(''.join(lines[:-1]))
+    (cell_dir / 'segments.json').write_text(json.dumps([[1000.0, 1100.0], [2000.0, None]]))
+    for f in ('train.out', 'log.jsonl'):
+        os.utime(cell_dir / f, (2050.0, 2050.0))
     os.remove(out / 'results.json')
+    t0 = time.time()
     data = study.main(['--matrix=tiny', f'--study_dir={out}', '--table=False'])
-    assert 'resuming' in (out / 'all-end-s1' / 'train.out').read_text()
-    assert data['cells']['all-end-s1']['final_val_loss'] == pytest.approx(json.loads(lines[-1])['final_val_loss'])
+    took = time.time() - t0
+    assert 'resuming' in (cell_dir / 'train.out').read_text()
+    c = data['cells']['all-end-s1']
+    assert c['final_val_loss'] == pytest.approx(json.loads(lines[-1])['final_val_loss'])
+    assert 150 < c['wall_s'] <= 150 + took and c['segments'] == 3 and 'wall_s_partial' not in c
+    assert json.loads((cell_dir / 'segments.json').read_text())[1] == [2000.0, 2050.0]
+    # a cell resumed from a checkpoint older than its wall-time account: the first run is unknown
+    (cell_dir / 'log.jsonl').write_text(''.join(lines[:-1]))
+    os.remove(cell_dir / 'segments.json')
+    c = study.main(['--matrix=tiny', f'--study_dir={out}', '--table=False'])['cells']['all-end-s1']
+    assert (c['segments'], c['wall_s_partial']) == (2, True) and 0 < c['wall_s'] <= time.time() - t0
 
 
 def test_a_diverged_cell_is_recorded_with_its_iteration_and_not_retried(tiny_matrix, tmp_path, monkeypatch):
@@ -319,38 +336,130 @@ def test_ladder_best_chooses_on_seed_1_and_marks_only_its_grid():
         == '(so far)'
 
 
+def test_t_quantile_matches_the_t_table():
+    # two-sided 95 %: the printed t table (e.g. Fisher & Yates), and two closed forms worked by hand:
+    # 1 df is the Cauchy distribution, t = tan(pi (p − 1/2)); with 2 df, P(|T| <= t) = t / sqrt(t² + 2)
+    table = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 9: 2.262, 10: 2.228, 30: 2.042}
+    for df, t in table.items():
+        assert study.t_quantile(0.975, df) == pytest.approx(t, abs=6e-4), df
+    assert study.t_quantile(0.975, 1) == pytest.approx(math.tan(math.pi * 0.475), rel=1e-9)
+    assert study.t_quantile(0.975, 2) == pytest.approx(math.sqrt(2 * 0.95 ** 2 / (1 - 0.95 ** 2)), rel=1e-9)
+    assert study.t_quantile(0.95, 2) == pytest.approx(2.920, abs=6e-4)  # one-sided 95 %, 2 df
+    for p, df in ((0.4, 2), (1.0, 2), (0.975, 0), (0.975, 2.5)):
+        with pytest.raises(ValueError, match='needs 0.5 < p < 1 and a whole df'):
+            study.t_quantile(p, df)
+
+
+def test_the_interval_of_a_mean_is_t_based_on_n_minus_1_df():
+    m, sd, lo, hi = study.mean_interval([1.0, 2.0, 3.0])  # mean 2, sd 1: 2 ± t / sqrt(3), t = 4.3027 (2 df)
+    half = math.sqrt(2 * 0.95 ** 2 / (1 - 0.95 ** 2)) / math.sqrt(3)  # the 2-df closed form above: 2.4841
+    assert (m, sd) == (2.0, 1.0) and (lo, hi) == (pytest.approx(2 - half), pytest.approx(2 + half))
+    assert math.isnan(study.mean_interval([0.5])[2])  # one value: no interval
+    assert study.fmt_gap([1.0, 2.0, 3.0]) == '+2.00 ± 1.00 % [-0.48, +4.48]'
+    assert study.fmt_gap([-0.52]) == '-0.52 % (one seed: no interval)'
+
+
 def test_ladder_table_pairs_each_variant_at_its_best_rate_with_the_baselines():
     cell = lambda loss, train=4.5: {'status': 'finished', 'final_val_loss': loss, 'final_train_loss': train}
     cells = {'baseline-1M-t3M-lr0.004-s1': cell(5.0), 'baseline-1M-t3M-lr0.008-s1': cell(4.8, 4.55),
              'baseline-1M-t3M-lr0.008-s2': cell(4.9, 4.6), 'baseline-1M-t3M-lr0.016-s1': cell(4.9),
              'internal-1M-t3M-lr0.004-s1': cell(4.7, 4.6), 'internal-1M-t3M-lr0.008-s1': cell(4.75),
-             'internal-1M-t3M-lr0.016-s1': {'status': 'diverged', 'diverged_at': 300}}
+             'internal-1M-t3M-lr0.016-s1': {'status': 'diverged', 'diverged_at': 300},
+             'internal_rel-1M-t3M-lr0.008-s1': cell(4.8), 'internal_rel-1M-t3M-lr0.016-s1': cell(4.85),
+             # a record names the arguments it ran with: its calibration is read from them
+             'internal_ema-1M-t3M-lr0.008-s1': dict(cell(4.704), args=['--taper=internal', '--calibration=ema']),
+             'internal_ema-1M-t3M-lr0.008-s2': dict(cell(4.802), args=['--taper=internal', '--calibration=ema'])}
     rows = study.ladder_table(cells, {n: [] for n in cells}).splitlines()[2:]
     # the best rate's two seeds: val − train 0.25 and 0.30, mean 0.275 (the other rates' do not count)
-    assert rows[0] == ('| 1M | 3M | baseline | 0.004: 5.0000, 0.008: 4.8000, 0.016: 4.9000 | 0.008 | '
+    assert rows[0] == ('| 1M | 3M | baseline | — | 0.004: 5.0000, 0.008: 4.8000, 0.016: 4.9000 | 0.008 | '
                        '4.8500 ± 0.0707 (1,2) | — | 0.275 |')
-    # best at the grid's edge is marked; paired on seed 1 only: 4.7 / 4.8 − 1 = −2.08 %
-    assert rows[1] == ('| 1M | 3M | internal | 0.004: 4.7000, 0.008: 4.7500, 0.016: diverged at 300 | 0.004 edge | '
-                       '4.7000 (1) | -2.08 % | 0.100 |')
+    # best at the grid's edge is marked; paired on seed 1 only: 4.7 / 4.8 − 1 = −2.08 %, no interval
+    assert rows[1] == ('| 1M | 3M | internal | end | 0.004: 4.7000, 0.008: 4.7500, 0.016: diverged at 300 | 0.004 (edge) | '
+                       '4.7000 (1) | -2.08 % (one seed: no interval) | 0.100 |')
+    # two rates are no bracketed best; 4.8 / 4.8 − 1 = 0
+    assert rows[2] == ('| 1M | 3M | internal_rel | end | 0.008: 4.8000, 0.016: 4.8500 | 0.008 (better of two) | '
+                       '4.8000 (1) | +0.00 % (one seed: no interval) | 0.300 |')
+    # one rate: 4.704 / 4.8 − 1 = −2.00 %, 4.802 / 4.9 − 1 = −2.00 %: sd 0, so the interval is the point
+    assert rows[3].startswith('| 1M | 3M | internal_ema | ema | 0.008: 4.7040 | 0.008 (only rate run) | ')
+    assert rows[3].endswith(' | -2.00 ± 0.00 % [-2.00, -2.00] | 0.253 |')
 
 
 def test_ladder_sizes_gives_each_variant_at_its_best_rate_per_budget_with_seed_spread():
     cell = lambda loss: {'status': 'finished', 'final_val_loss': loss}
     cells = {'baseline-0.4M-t18M-lr0.008-s1': cell(4.0), 'baseline-0.4M-t18M-lr0.016-s1': cell(3.9),
-             'baseline-0.4M-t18M-lr0.016-s2': cell(3.8), 'baseline-0.4M-t18M-lr0.032-s1': cell(4.2),
+             'baseline-0.4M-t18M-lr0.016-s2': cell(3.8), 'baseline-0.4M-t18M-lr0.016-s3': cell(3.85),
+             'baseline-0.4M-t18M-lr0.032-s1': cell(4.2),
              'internal-0.4M-t18M-lr0.016-s1': cell(3.939), 'internal-0.4M-t18M-lr0.016-s2': cell(3.876),
+             'internal-0.4M-t18M-lr0.016-s3': cell(3.9655),
              'baseline-0.4M-t3M-lr0.016-s1': cell(5.0), 'dyt-0.4M-t3M-lr0.016-s1': cell(5.1),
              'baseline-1M-t3M-lr0.008-s1': cell(4.5)}
     text = study.ladder_sizes(cells, {n: [] for n in cells})
     small, big = text.split('\n\n**1M model**')
+    internal = [3.939, 3.876, 3.9655]
     assert small.splitlines()[2:] == [
-        '| variant | 3M tokens | 18M tokens |', '|---|---|---|',
-        # 18M: the baseline's best is 1.6e-2, mean (3.9, 3.8) = 3.85, sd 0.0707; internal's per-seed
-        # gaps 3.939/3.9 − 1 = +1.00 %, 3.876/3.8 − 1 = +2.00 %: mean 1.50, sd 0.71
-        '| baseline | 5.0000 (lr 0.016, s1) | 3.8500 ± 0.0707 (lr 0.016, s1–2) |',
-        '| internal | — | 3.9075 ± 0.0445 (lr 0.016, s1–2): +1.50 ± 0.71 % |',
-        '| dyt | 5.1000 (lr 0.016, s1): +2.00 % | — |']  # in VARIANTS7's order
-    assert big.splitlines()[2:] == ['| variant | 3M tokens |', '|---|---|', '| baseline | 4.5000 (lr 0.008, s1) |']
+        '| variant (calibration) | 3M tokens | 18M tokens |', '|---|---|---|',
+        # 18M: the baseline's best is 1.6e-2, mean (3.9, 3.8, 3.85) = 3.85, sd 0.05; internal's per-seed
+        # gaps 3.939/3.9 − 1 = +1 %, 3.876/3.8 − 1 = +2 %, 3.9655/3.85 − 1 = +3 %: mean 2, sd 1, and the
+        # 95 % interval 2 ± 4.303 · 1 / sqrt(3) = [−0.48, +4.48] (t, 2 df); one rate run at 18M, one at 3M
+        '| baseline | 5.0000 (lr 0.016, only rate run, s1) | 3.8500 ± 0.0500 (lr 0.016, s1–3) |',
+        f"| internal ('end') | — | {np.mean(internal):.4f} ± {np.std(internal, ddof=1):.4f} "
+        "(lr 0.016, only rate run, s1–3): +2.00 ± 1.00 % [-0.48, +4.48] |",
+        '| dyt | 5.1000 (lr 0.016, only rate run, s1): +2.00 % (one seed: no interval) | — |']  # VARIANTS7's order
+    assert big.splitlines()[2:] == ['| variant (calibration) | 3M tokens |', '|---|---|',
+                                    '| baseline | 4.5000 (lr 0.008, only rate run, s1) |']
+
+
+def summary_cells():
+    """A results file's part-3 cells for the summary table: two sizes, the longer budget of each with
+    seeds, Internal-Taper with both calibrations at the 1M model's long point, 'end' only at 0.4M."""
+    cell = lambda loss, cal='end': {'status': 'finished', 'final_val_loss': loss, 'final_train_loss': loss - 0.25,
+                                    'args': ['--taper=internal', f'--calibration={cal}']}
+    base = lambda loss: {'status': 'finished', 'final_val_loss': loss, 'final_train_loss': loss - 0.25,
+                         'args': ['--taper=none', '--calibration=end']}
+    return {'baseline-1M-t3M-lr0.016-s1': base(4.5), 'internal-1M-t3M-lr0.008-s1': cell(4.4),  # not the longest
+            'baseline-1M-t9M-lr0.004-s1': base(4.2), 'baseline-1M-t9M-lr0.008-s1': base(4.0),
+            'baseline-1M-t9M-lr0.016-s1': base(4.1), 'baseline-1M-t9M-lr0.008-s2': base(4.1),
+            'baseline-1M-t9M-lr0.008-s3': base(4.2),
+            'internal-1M-t9M-lr0.004-s1': cell(4.3), 'internal-1M-t9M-lr0.008-s1': cell(4.01),
+            'internal-1M-t9M-lr0.016-s1': cell(4.4),
+            'internal_ema-1M-t9M-lr0.008-s1': cell(4.04, 'ema'), 'internal_ema-1M-t9M-lr0.008-s2': cell(4.182, 'ema'),
+            'internal_ema-1M-t9M-lr0.008-s3': cell(4.326, 'ema'),
+            'baseline-0.4M-t18M-lr0.016-s1': base(4.4), 'internal-0.4M-t18M-lr0.016-s1': cell(4.378)}
+
+
+def test_the_summary_table_gives_each_method_at_the_longest_budget_with_its_interval():
+    cells = summary_cells()
+    rows = study.ladder_summary(cells, {n: [] for n in cells}).splitlines()
+    assert rows[0].startswith('| variant | calibration | model, tokens of mix7 (read once) | lr | seeds |')
+    # per-seed gaps of the EMA cells: 4.04/4.0, 4.182/4.1, 4.326/4.2 − 1 = +1, +2, +3 %: 2 ± 4.303/sqrt(3)
+    assert rows[2:] == [
+        '| baseline (RMSNorm) | — | 1M, 9M | 0.008 (bracketed) | s1–3 | 4.1000 ± 0.1000 | — | — |',
+        '| baseline (RMSNorm) | — | 0.4M, 18M | 0.016 (only rate run) | s1 | 4.4000 | — | — |',
+        '| Internal-Taper | ema | 1M, 9M | 0.008 (only rate run) | s1–3 | 4.1827 ± 0.1430 | '
+        '+2.00 ± 1.00 % [-0.48, +4.48] | +0.7 to +1.5 % |',
+        '| Internal-Taper | end | 0.4M, 18M | 0.016 (only rate run) | s1 | 4.3780 | -0.50 % (one seed: no interval) | '
+        '+0.7 to +1.5 % |']  # 4.378 / 4.4 − 1; no All-Taper or DyT cells: no rows
+
+
+def test_the_readme_summary_regenerates_from_the_results_file(tmp_path):
+    out = tmp_path / 'study'
+    out.mkdir()
+    cells = summary_cells()
+    (out / 'results.json').write_text(json.dumps({'cells': cells}))
+    readme = tmp_path / 'README.md'
+    readme.write_text('# x\n<!-- study:ladder:summary -->\nold\n<!-- /study:ladder:summary -->\nrest\n')
+    study.main(['--matrix=ladder', f'--study_dir={out}', '--run=False', f'--readme={readme}'])
+    text = readme.read_text()
+    assert text.startswith('# x\n<!-- study:ladder:summary -->\n| variant | calibration |') and text.endswith('rest\n')
+    assert '| Internal-Taper | ema | 1M, 9M | 0.008 (only rate run) | s1–3 |' in text and 'old' not in text
+    assert '**1M model**' not in text  # the full tables go only where their own block is
+    cells['internal_ema-1M-t9M-lr0.008-s3']['final_val_loss'] = 4.284  # the results change: so does the table
+    (out / 'results.json').write_text(json.dumps({'cells': cells}))
+    study.main(['--matrix=ladder', f'--study_dir={out}', '--run=False', f'--readme={readme}'])
+    assert '+1.67 ± 0.58 % [' in readme.read_text()  # gaps +1, +2, +2 %
+    readme.write_text('no markers\n')
+    with pytest.raises(SystemExit, match='no <!-- study:ladder --> ... <!-- /study:ladder --> or'):
+        study.main(['--matrix=ladder', f'--study_dir={out}', '--run=False', f'--readme={readme}'])
 
 
 def test_every_cell_of_every_matrix_names_its_calibration():
