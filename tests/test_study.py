@@ -411,9 +411,11 @@ def test_ladder_sizes_gives_each_variant_at_its_best_rate_per_budget_with_seed_s
 
 def summary_cells():
     """A results file's part-3 cells for the summary table: two sizes, the longer budget of each with
-    seeds, Internal-Taper with both calibrations at the 1M model's long point, 'end' only at 0.4M."""
-    cell = lambda loss, cal='end': {'status': 'finished', 'final_val_loss': loss, 'final_train_loss': loss - 0.25,
-                                    'args': ['--taper=internal', f'--calibration={cal}']}
+    seeds, Internal-Taper with both calibrations at the 1M model's long point, 'end' only at 0.4M;
+    All-Taper with both at 0.4M, its 'ema' variant one that VARIANTS7 does not name (its record does)."""
+    cell = lambda loss, cal='end', taper='internal': {'status': 'finished', 'final_val_loss': loss,
+                                                      'final_train_loss': loss - 0.25,
+                                                      'args': [f'--taper={taper}', f'--calibration={cal}']}
     base = lambda loss: {'status': 'finished', 'final_val_loss': loss, 'final_train_loss': loss - 0.25,
                          'args': ['--taper=none', '--calibration=end']}
     return {'baseline-1M-t3M-lr0.016-s1': base(4.5), 'internal-1M-t3M-lr0.008-s1': cell(4.4),  # not the longest
@@ -424,7 +426,8 @@ def summary_cells():
             'internal-1M-t9M-lr0.016-s1': cell(4.4),
             'internal_ema-1M-t9M-lr0.008-s1': cell(4.04, 'ema'), 'internal_ema-1M-t9M-lr0.008-s2': cell(4.182, 'ema'),
             'internal_ema-1M-t9M-lr0.008-s3': cell(4.326, 'ema'),
-            'baseline-0.4M-t18M-lr0.016-s1': base(4.4), 'internal-0.4M-t18M-lr0.016-s1': cell(4.378)}
+            'baseline-0.4M-t18M-lr0.016-s1': base(4.4), 'internal-0.4M-t18M-lr0.016-s1': cell(4.378),
+            'all-0.4M-t18M-lr0.016-s1': cell(4.39, 'end', 'all'), 'all_ema-0.4M-t18M-lr0.016-s1': cell(4.356, 'ema', 'all')}
 
 
 def test_the_summary_table_gives_each_method_at_the_longest_budget_with_its_interval():
@@ -438,7 +441,9 @@ def test_the_summary_table_gives_each_method_at_the_longest_budget_with_its_inte
         '| Internal-Taper | ema | 1M, 9M | 0.008 (only rate run) | s1–3 | 4.1827 ± 0.1430 | '
         '+2.00 ± 1.00 % [-0.48, +4.48] | +0.7 to +1.5 % |',
         '| Internal-Taper | end | 0.4M, 18M | 0.016 (only rate run) | s1 | 4.3780 | -0.50 % (one seed: no interval) | '
-        '+0.7 to +1.5 % |']  # 4.378 / 4.4 − 1; no All-Taper or DyT cells: no rows
+        '+0.7 to +1.5 % |',  # 4.378 / 4.4 − 1
+        '| All-Taper | ema | 0.4M, 18M | 0.016 (only rate run) | s1 | 4.3560 | -1.00 % (one seed: no interval) | '
+        '+0.8 to +1.8 % |']  # 'ema' before 'end': 4.356 / 4.4 − 1; no DyT cells: no row
 
 
 def test_the_readme_summary_regenerates_from_the_results_file(tmp_path):
@@ -457,6 +462,14 @@ def test_the_readme_summary_regenerates_from_the_results_file(tmp_path):
     (out / 'results.json').write_text(json.dumps({'cells': cells}))
     study.main(['--matrix=ladder', f'--study_dir={out}', '--run=False', f'--readme={readme}'])
     assert '+1.67 ± 0.58 % [' in readme.read_text()  # gaps +1, +2, +2 %
+    # docs/results.md holds both blocks: each gets its own tables
+    docs = tmp_path / 'results.md'
+    docs.write_text('<!-- study:ladder:summary -->\n<!-- /study:ladder:summary -->\nnotes\n<!-- study:ladder -->\n'
+                    '<!-- /study:ladder -->\n')
+    study.main(['--matrix=ladder', f'--study_dir={out}', '--run=False', f'--readme={docs}'])
+    summary, full = docs.read_text().split('notes\n')
+    assert '| Internal-Taper | ema | 1M, 9M |' in summary and '**1M model**' not in summary
+    assert '**1M model**' in full and '| 1M | 9M | internal_ema | ema | 0.008: 4.0400 |' in full
     readme.write_text('no markers\n')
     with pytest.raises(SystemExit, match='no <!-- study:ladder --> ... <!-- /study:ladder --> or'):
         study.main(['--matrix=ladder', f'--study_dir={out}', '--run=False', f'--readme={readme}'])
