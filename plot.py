@@ -7,6 +7,7 @@ matrices): each variant's paired gap to the baseline against the tokens seen. Ne
 
     python plot.py --runs=study/baseline-end-s1,study/internal-end-s1,study/all-end-s1 --out=docs/plots/main.png
     python plot.py --ladder=study/results.json --out=docs/plots/budget_ladder.png
+    python plot.py --shock=study/baseline-1M-t9M-lr0.008-s1:study/internal-1M-t9M-lr0.008-s1 --out=shock.png
 """
 
 import json
@@ -19,6 +20,8 @@ from configurator import configure
 # -----------------------------------------------------------------------------
 runs = ''                   # comma-separated out_dirs (each with a log.jsonl)
 ladder = ''                 # instead of --runs: a study results.json, drawn as the budget ladder (ladder_plot)
+shock = ''                  # instead of --runs: BASELINE:RUN out_dir pairs (comma-separated), drawn by shock_plot
+shock_steps = 300           # with --shock: the steps drawn after each run's calibrate event
 labels = ''                 # comma-separated legend labels (default: the folder names)
 out = 'plot.png'            # the PNG to write
 title = ''                  # a title over the panels
@@ -131,10 +134,50 @@ def ladder_plot(plt, results_path, out, title):
     print(f"wrote {out}")
 
 
+def shock_plot(plt, pairs, labels, out, title, steps, smooth):
+    """The calibrate event with the logged loss taken apart (it is CE + L_aux): for each
+    (baseline out_dir, tapered out_dir) pair, the tapered run's training cross-entropy minus its
+    baseline's at the same step (left; a pair that ran on one machine is equal until the taper
+    starts), and its L_aux (right, log scale), against the steps from the first step after the
+    calibrate event (0: the first step L_aux acts on, g still 1), from 50 steps before it to
+    `steps` after; moving averages over `smooth` logged steps. SystemExit for a run without a
+    calibrate event."""
+    fig, (ax_ce, ax_aux) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for i, ((base_dir, run_dir), label) in enumerate(zip(pairs, labels)):
+        base, _ = read_run(base_dir)
+        run, calib = read_run(run_dir)
+        if calib is None:
+            raise SystemExit(f"{run_dir} has no calibrate event: --shock pairs a tapered run with its baseline")
+        first = calib['iter'] + 1
+        ce = {r['iter']: r['ce'] for r in base}
+        pts = [(r['iter'] - first, r['ce'] - ce[r['iter']], r['aux']) for r in run
+               if r['iter'] in ce and -50 <= r['iter'] - first <= steps]
+        ax_ce.plot([p[0] for p in pts], moving_average([p[1] for p in pts], smooth), color=f'C{i}', lw=1.3, label=label)
+        after = [p for p in pts if p[0] >= 0]
+        ax_aux.plot([p[0] for p in after], moving_average([p[2] for p in after], smooth), color=f'C{i}', lw=1.3,
+                    label=label)
+    ax_ce.axhline(0, color='0.4', lw=0.8)
+    ax_ce.set_title('training cross-entropy minus the baseline\'s at the same step', fontsize=10)
+    ax_aux.set_yscale('log')
+    ax_aux.set_title('L_aux (the rest of the logged loss)', fontsize=10)
+    for ax in (ax_ce, ax_aux):
+        ax.axvline(0, color='0.6', ls=':', lw=1)
+        ax.set_xlabel('steps after the calibrate event')
+        ax.grid(alpha=0.3)
+    ax_ce.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 def main(argv):
     cfg = configure(argv, globals())
-    if not cfg.runs and not cfg.ladder:
-        raise SystemExit("config error: --runs=DIR[,DIR...] (or --ladder=study/results.json) is required")
+    if not cfg.runs and not cfg.ladder and not cfg.shock:
+        raise SystemExit("config error: --runs=DIR[,DIR...] (or --ladder=study/results.json, or "
+                         "--shock=BASELINE:RUN[,...]) is required")
     try:
         import matplotlib
         matplotlib.use('Agg')
@@ -143,6 +186,14 @@ def main(argv):
         raise SystemExit("plot.py needs matplotlib: pip install matplotlib") from None
     if cfg.ladder:
         return ladder_plot(plt, cfg.ladder, cfg.out, cfg.title)
+    if cfg.shock:
+        pairs = [p.split(':') for p in cfg.shock.split(',')]
+        if any(len(p) != 2 for p in pairs):
+            raise SystemExit(f"config error: shock={cfg.shock!r}: give BASELINE_DIR:RUN_DIR pairs, comma-separated")
+        labels = cfg.labels.split(',') if cfg.labels else [os.path.basename(r.rstrip('/')) for _, r in pairs]
+        if len(labels) != len(pairs):
+            raise SystemExit(f"config error: {len(labels)} labels for {len(pairs)} pairs")
+        return shock_plot(plt, pairs, labels, cfg.out, cfg.title, cfg.shock_steps, cfg.smooth)
     dirs = cfg.runs.split(',')
     names = cfg.labels.split(',') if cfg.labels else [os.path.basename(d.rstrip('/')) for d in dirs]
     if len(names) != len(dirs):

@@ -753,7 +753,7 @@ def chasing_table(cells, args, everything):
 
 def loss_table(groups, base_name):
     base = groups.get(base_name, {})
-    lines = ["| variant | seeds | final val loss | vs baseline (paired) | final train loss | val − train |",
+    lines = ["| variant | seeds | final val loss | vs baseline, paired: mean ± sd [95 % interval] | final train loss | val − train |",
              "|---|---|---|---|---|---|"]
     for g, by_seed in groups.items():
         done = {s: c for s, c in by_seed.items() if c['status'] == 'finished'}
@@ -767,7 +767,7 @@ def loss_table(groups, base_name):
                   if s in base and base[s]['status'] == 'finished']
         seeds = ','.join(str(s) for s in sorted(done)) + (f" ({'; '.join(diverged)})" if diverged else '')
         lines.append(f"| {g} | {seeds} | {fmt(mean_sd(val))} | "
-                     f"{fmt(mean_sd(paired), pct=True) if paired and g != base_name else '—'} | "
+                     f"{fmt_gap(paired) if paired and g != base_name else '—'} | "
                      f"{fmt(mean_sd(train))} | {fmt(mean_sd([v - t for v, t in zip(val, train)]), 3)} |")
     return '\n'.join(lines)
 

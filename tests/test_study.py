@@ -568,3 +568,38 @@ def test_the_ladder_plots_labels_of_one_budget_never_overlap(tmp_path):
     # 'a' sits 0.001 below 'b': its label goes 9 points below b's, measured from its own point
     assert offset['a'] == pytest.approx(4 - 9 + 0.001 * points_per_unit)
     plt.close('all')
+
+
+def test_the_shock_plot_takes_the_logged_loss_apart_into_cross_entropy_and_l_aux(tmp_path):
+    pytest.importorskip('matplotlib')
+    import matplotlib.pyplot as plt
+    import plot
+
+    def fake_run(name, ce, aux=None, W=None):  # log records every 10th step
+        d = tmp_path / name
+        d.mkdir()
+        recs = [dict(iter=it, phase='warmup', gate=1.0, loss=ce(it) + (aux(it) if aux else 0.0), ce=ce(it),
+                     aux=aux(it) if aux else 0.0, hidden_rms=1.0, logit_rms=1.0, radial_cos=0.0)
+                for it in range(0, 200, 10)]
+        if W is not None:
+            recs.insert(W // 10, {'event': 'calibrate', 'iter': W - 1, 's_tgt': 1.0})
+        (d / 'log.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in recs))
+        return str(d)
+
+    base = fake_run('base', lambda it: 6.0 - it / 100)
+    # the tapered run: equal until the event (step 100 is the first after it), then CE 0.5 above; L_aux 4 / (1 + step)
+    run = fake_run('run', lambda it: 6.0 - it / 100 + (0.5 if it >= 100 else 0.0),
+                   lambda it: 4.0 / (1 + it - 100) if it >= 100 else 0.0, W=100)
+    plot.main([f'--shock={base}:{run}', f'--out={tmp_path / "s.png"}', '--smooth=1', '--shock_steps=50'])
+    ax_ce, ax_aux = plt.gcf().axes
+    (ce,), (aux,) = ax_ce.get_lines()[:1], ax_aux.get_lines()[:1]
+    assert list(ce.get_xdata()) == [-50, -40, -30, -20, -10, 0, 10, 20, 30, 40, 50]  # from the first step after the event
+    assert list(ce.get_ydata()) == pytest.approx([0.0] * 5 + [0.5] * 6)
+    assert list(aux.get_xdata()) == [0, 10, 20, 30, 40, 50]
+    assert list(aux.get_ydata()) == pytest.approx([4.0, 4 / 11, 4 / 21, 4 / 31, 4 / 41, 4 / 51])
+    assert ax_aux.get_yscale() == 'log'
+    plt.close('all')
+    with pytest.raises(SystemExit, match='has no calibrate event'):
+        plot.main([f'--shock={run}:{base}', f'--out={tmp_path / "s.png"}'])
+    with pytest.raises(SystemExit, match='BASELINE_DIR:RUN_DIR pairs'):
+        plot.main([f'--shock={base}', f'--out={tmp_path / "s.png"}'])
