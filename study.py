@@ -11,10 +11,11 @@ Every cell gets its own out_dir (study_dir/NAME). A cell whose log.jsonl has fin
 skipped; one with a ckpt.pt continues with --init_from=resume; one whose loss went non-finite
 is recorded as diverged (with its iteration) and never retried. After each cell, its summary
 goes into study_dir/results.json (with the git commit, torch version, thread count, device and
-dtype it ran with), written atomically: a stopped study loses nothing and the same command
-continues it. The tables of docs/results.md are printed by --table from that file
-(--readme=docs/results.md writes them there). Each cell runs with OMP_NUM_THREADS=threads; jobs
-cells run at once (2 on a 2-core machine).
+dtype it ran with, and its wall time summed over every train.py run it took), written
+atomically: a stopped study loses nothing and the same command continues it. The tables of
+docs/results.md are printed by --table from that file (--readme=docs/results.md writes them
+there; --readme=README.md fills the README's <!-- study:ladder:summary --> block). Each cell
+runs with OMP_NUM_THREADS=threads; jobs cells run at once (2 on a 2-core machine).
 """
 
 import fcntl
