@@ -86,3 +86,24 @@ def test_tf32_follows_the_dtype(dtype, tf32, stand_in_cuda):
         assert env.tf32 is tf32
         assert torch.backends.cuda.matmul.allow_tf32 is tf32 and torch.backends.cudnn.allow_tf32 is tf32
     assert setup(SimpleNamespace(**{**vars(cfg), 'device': 'cpu'})).tf32 is False  # no TF32 on a CPU
+
+
+def test_the_warmup_ema_update_is_a_few_ops_for_the_whole_model():
+    """calibration='ema' updates its EMAs after every warmup step: on a GPU each op is a kernel launch,
+    so their number must not grow with the depth (it was 4 per statistic: 143 at 8 layers)."""
+    from torch.profiler import ProfilerActivity, profile
+    from model import GPT, GPTConfig
+
+    def ops(n_layer):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, vocab_size=64, block_size=8, taper='all'))
+        model.set_collect('calibration')
+        x = torch.randint(0, 64, (2, 8))
+        model(x, x)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model.calibration_step()
+        no_kernel = ('aten::view', 'aten::view_as', 'aten::split_with_sizes', 'aten::item')  # metadata, host
+        return [e.name for e in prof.events() if e.name.startswith('aten::') and e.cpu_parent is None
+                and e.name not in no_kernel]
+
+    assert ops(1) == ops(8) and len(ops(8)) <= 6, ops(8)
