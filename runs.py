@@ -231,7 +231,12 @@ def end_processes(env):
 
 def wrap_ddp(model, env):
     """model under DDP when launched by torchrun, else model itself. broadcast_buffers=False:
-    the calibration statistics are each rank's own until the model all-reduces them."""
+    the calibration statistics are each rank's own until the model all-reduces them.
+
+    A compiled model goes in compiled (DDP of torch.compile(model)), the order PyTorch's "Where to
+    apply torch.compile?" recommends: its forward runs inside DDP's, so dynamo's DDPOptimizer splits
+    the graph at DDP's gradient buckets and each bucket's all-reduce overlaps the rest of the backward.
+    torch.compile(DDP(model)) makes dynamo trace DDP's own Python, which breaks its graph (torch 2.13)."""
     if not env.ddp:
         return model
     with warnings.catch_warnings():
