@@ -321,10 +321,9 @@ def main(argv):
     pairs = [('internal_unfused', 'internal_folded'), ('all_taper', 'all_folded')] + pairs
 
     print(f"bench: {'the checkpoint' if cfg.ckpt else cfg.size or 'custom'}'s shape {arch} | {', '.join(models)}")
-    print(f"  device={dev} dtype={dt} tf32={uses_tf32(dev, dt)} torch={torch.__version__} "
-          f"threads={torch.get_num_threads()} | "
-          f"mode=decode batch_size={B} prompt_len={P} new_tokens={N} | trials={cfg.trials} (+2 warm-up) | "
-          f"{' and '.join('compiled' if f else 'eager' for f in flags)}")
+    print(f"  device={dev} dtype={dt} tf32={uses_tf32(dev, dt)} torch={torch.__version__} threads="
+          f"{torch.get_num_threads()} | mode=decode batch_size={B} prompt_len={P} new_tokens={N} | trials="
+          f"{cfg.trials} (+2 warm-up) | {' and '.join('compiled' if f else 'eager' for f in flags)}")
     if cfg.trials < 5:
         print(f"  note: {cfg.trials} trial{'s' * (cfg.trials != 1)}; medians of fewer than 5 are noisy")
     if about:
@@ -389,6 +388,7 @@ def profile_step(models, compiled_steps, prompt, device_type):
         pos = torch.tensor([P], device=prompt.device)
         for _ in range(3):
             step(models[n], tok, pos)
+        sync(device_type)  # the warm-up's kernels end outside the profile
         with torch_profile(activities=activities) as prof:
             step(models[n], tok, pos)
             sync(device_type)
