@@ -193,8 +193,9 @@ def resolve_device(device, dtype='auto', local_rank=None):
 
 def uses_tf32(device, dtype):
     """Whether a run on device in dtype computes with TF32 matmuls: on a CUDA device in a 16-bit
-    dtype (bf16 autocast: its fp32 ops round near TF32 anyway), never in float32, which means IEEE
-    float32 products. What set_tf32 sets and the runs' records (bench, train, study) say."""
+    dtype (its matmuls round to bf16 already; TF32, 10 mantissa bits, is finer, for the products
+    autocast leaves in fp32), never in float32, which means IEEE float32 products. What set_tf32
+    sets and the runs' records (bench, train, study) say."""
     return torch.device(device).type == 'cuda' and dtype != 'float32'
 
 
