@@ -12,20 +12,20 @@ Variants, one architecture, the same random weights (tapered: calibrated on rand
     internal_folded    the same model folded by fold.py: no ln_1, ln_2 at all; final RMSNorm
     all_folded         All-Taper folded: no norm anywhere, LM head untied (the upper bound)
 
-Gate, before any timing, in fp32: internal_unfused and internal_folded, All-Taper and all_folded,
-a raw --ckpt and its unfused form agree on teacher-forced logits (fold.max_logit_error) and the
-first GATE_TOKENS greedy tokens; compiled, each variant against itself eager in the dtype timed
-(fp32: greedy tokens equal; bf16: prefill logits within BF16_RTOL, tokens equal up to a near-tie).
+Gate, before any timing, in IEEE fp32: internal_unfused and internal_folded, All-Taper and
+all_folded, a raw --ckpt and its unfused form agree on teacher-forced logits (fold.py's check,
+max_logit_error) and the first GATE_TOKENS greedy tokens; compiled, each variant against itself
+eager in the dtype timed (fp32: greedy tokens equal; bf16: prefill logits within BF16_RTOL, tokens
+equal up to a near-tie). TF32 is on only for bf16 (configurator.set_tf32; the JSON's config.tf32).
 
-Timing (model.py's decode path, as in GPT.generate): a prefill of --prompt_len tokens (time to
-first token, TTFT), then --new_tokens decode steps; medians of --trials trials after two warm-up
-trials (the first one's extra time is the compile time), the variants interleaved (A B C D A B C D
-...). A decode step decodes one token of every sequence: ms/step = decode time / new_tokens,
-tokens/s = batch_size · new_tokens / decode time (aggregate), tokens/s/seq = tokens/s / batch_size
-(JSON: ms_per_step, tokens_per_s, tokens_per_s_per_seq). GB/s: the bytes a decode step reads
-(weights, the LM head once, batch_size embedding rows, the whole KV cache) / step time. peak MB
-(CUDA): weights + KV cache + the most a trial allocated on top. fp32 means fp32 (TF32 off).
-The last line printed is one JSON object with the configuration and every result.
+Timing (model.py's decode path, as in GPT.generate): a prefill of --prompt_len tokens (time to first
+token, TTFT), then --new_tokens decode steps; medians of --trials trials after two warm-up trials (the
+first one's extra time is the compile time), the variants interleaved (A B C D A B C D ...). A decode
+step decodes one token of every sequence: ms/step = decode time / new_tokens, tokens/s = batch_size ·
+new_tokens / decode time (aggregate), tokens/s/seq = tokens/s / batch_size. GB/s: the bytes a decode
+step reads (weights, the LM head once, batch_size embedding rows, the whole KV cache) / step time.
+peak MB (CUDA): weights + KV cache + the most a trial allocated on top. The last line printed is one
+JSON object with the configuration and every result.
 """
 
 import copy
@@ -39,7 +39,7 @@ from functools import partial
 
 import torch
 
-from configurator import ConfigError, configure, resolve_device
+from configurator import ConfigError, configure, resolve_device, set_tf32, uses_tf32
 from fold import CheckError, fold_model, max_logit_error, tensor_bytes
 from model import GPT, LADDER, GPTConfig, TaperScale, decode_n_tokens, decode_one_token, prefill, unfused
 from runs import load_model
@@ -75,9 +75,8 @@ def architecture(cfg):
     """configure()'s check of the settings (ConfigError names the key and the fix), and the model
     shape they give: the size's ladder row, n_layer / n_head / n_embd overriding where > 0,
     vocab_size and block_size (a dict)."""
-    for key in ('batch_size', 'prompt_len', 'new_tokens', 'trials'):
-        if cfg[key] < 1:
-            raise ConfigError(f"--{key}={cfg[key]} must be >= 1")
+    if bad := [k for k in ('batch_size', 'prompt_len', 'new_tokens', 'trials') if cfg[k] < 1]:
+        raise ConfigError(f"--{bad[0]}={cfg[bad[0]]} must be >= 1")
     keys = ('n_layer', 'n_head', 'n_embd')
     arch = dict(LADDER.get(cfg['size'], {}), **{k: cfg[k] for k in keys if cfg[k] > 0})
     if missing := [k for k in keys if k not in arch]:
@@ -126,10 +125,8 @@ def build_variants(arch, seed):
     baseline = GPT(GPTConfig(**arch)).eval()
     internal = linear_phase_model(arch, 'internal', seed)
     all_taper = linear_phase_model(arch, 'all', seed)  # same seed: the baseline's weights where they exist
-    return {'baseline': baseline,
-            'internal_unfused': unfused(copy.deepcopy(internal)),
-            'internal_folded': fold_model(internal),
-            'all_folded': fold_model(all_taper)}, all_taper
+    return {'baseline': baseline, 'internal_unfused': unfused(copy.deepcopy(internal)),
+            'internal_folded': fold_model(internal), 'all_folded': fold_model(all_taper)}, all_taper
 
 
 def checkpoint_variants(cfg):
@@ -149,9 +146,7 @@ def checkpoint_variants(cfg):
                          f"(e.g. --prompt_len={c.block_size // 4} --new_tokens={c.block_size // 2})")
     if model.phase == 'linear' and not c.folded:
         raw[f'{name} as trained'] = copy.deepcopy(model)  # its TaperNorm layers at g = 0: the gate's reference
-        unfused(model)
-        name += ' unfused'
-        about += " (timed unfused)"
+        model, name, about = unfused(model), name + ' unfused', about + " (timed unfused)"
     elif model.phase in ('warmup', 'taper'):
         about += " (not an inference artifact: the normalizing branch still runs; fold a finished run)"
     torch.manual_seed(cfg.seed)
@@ -180,14 +175,13 @@ def sync(device_type):
 
 def run_decode(model, steps, prompt, new, device_type):
     """Prefill, then `new` decode steps (decode_n_tokens). Returns (ttft_s, decode_s, tokens (B, new + 1))."""
-    P = prompt.size(1)
-    prefill_pos, pos = torch.arange(P, device=prompt.device), torch.tensor([P], device=prompt.device)
+    prefill_pos = torch.arange(prompt.size(1), device=prompt.device)
     sync(device_type)
     t0 = time.perf_counter()
     tok = steps[0](model, prompt, prefill_pos).clone()  # clone: CUDA graphs reuse their output memory
     sync(device_type)
     t1 = time.perf_counter()
-    rest = decode_n_tokens(model, tok, pos, new, step=steps[1])
+    rest = decode_n_tokens(model, tok, prefill_pos[-1:] + 1, new, step=steps[1])
     sync(device_type)
     return t1 - t0, time.perf_counter() - t1, torch.cat([tok, *rest], dim=1)
 
@@ -198,11 +192,8 @@ def time_variants(models, steps, prompts, new, trials, device_type, after_warm_u
     seconds}, {name: [(ttft_s, decode_s)]}, {name: most a trial allocated over the resident, CUDA})."""
     compile_s, times, transient = {}, {n: [] for n in models}, {}
     for n, m in models.items():
-        t0 = time.perf_counter()
-        run_decode(m, steps[n], prompts[n], new, device_type)
-        t1 = time.perf_counter()
-        run_decode(m, steps[n], prompts[n], new, device_type)
-        compile_s[n] = (t1 - t0) - (time.perf_counter() - t1)
+        first, second = [run_decode(m, steps[n], prompts[n], new, device_type)[:2] for _ in range(2)]
+        compile_s[n] = sum(first) - sum(second)
     if after_warm_up is not None:
         after_warm_up(compile_s)
     for _ in range(trials):
@@ -235,8 +226,7 @@ def result_rows(models, reference, times, transient, compile_s, compiled, cfg):
         step_s = statistics.median(t[1] for t in times[n]) / cfg.new_tokens
         weights, kv, step = memory_bytes(m, B, cache_len)
         rows[n] = dict(variant=n, compiled=compiled, ms_per_step=1000 * step_s, tokens_per_s=B / step_s,
-                       tokens_per_s_per_seq=1 / step_s,
-                       ttft_ms=1000 * statistics.median(t[0] for t in times[n]),
+                       tokens_per_s_per_seq=1 / step_s, ttft_ms=1000 * statistics.median(t[0] for t in times[n]),
                        gbps=step / step_s / 1e9, weight_mb=weights / 1e6, kv_mb=kv / 1e6,
                        peak_mb=(weights + kv + transient[n]) / 1e6 if n in transient else None,
                        compile_s=compile_s[n] if compiled else None)
@@ -247,85 +237,66 @@ def result_rows(models, reference, times, transient, compile_s, compiled, cfg):
 
 # ---- the correctness gate -----------------------------------------------------------------
 
-def same_tokens(name_a, tokens_a, name_b, tokens_b, how):
-    """SystemExit, naming the first position that differs, unless two (B, n) token tensors are equal."""
-    if not torch.equal(tokens_a, tokens_b):
-        first = (tokens_a != tokens_b).any(dim=0).nonzero()[0].item()
-        raise SystemExit(f"correctness gate failed, no speed reported: {name_a} vs {name_b} ({how}): "
-                         f"greedy tokens differ from token {first} on")
-
-
 def gate_eager(models, pairs, prompts, n_tokens, seed, device_type):
-    """Every pair's teacher-forced logits on one random sequence agree (max_logit_error), then
-    its first n_tokens greedy tokens. Returns ({'a vs b': max |Δ| / max |logit|}, {name: tokens
-    (B, n_tokens)}). SystemExit when a check fails: no speed is reported."""
+    """Every pair's teacher-forced logits on one random sequence agree (fold.max_logit_error, fold.py's
+    own check), then its first n_tokens greedy tokens. Returns {'a vs b': max |Δ| / max |logit|};
+    SystemExit when a check fails: no speed is reported."""
     errors, steps = {}, make_steps(False, device_type)
     for a, b in pairs:
-        A = models[a]
-        seq = random_tokens(A.config.vocab_size, (2, min(A.config.block_size, 128)), seed + 2)
+        c = models[a].config
+        seq = random_tokens(c.vocab_size, (2, min(c.block_size, 128)), seed + 2).to(prompts[a].device)
         try:
-            diff, scale = max_logit_error(A, models[b], seq.to(A.transformer.wte.weight.device), f'{a} vs {b}')
+            diff, scale = max_logit_error(models[a], models[b], seq, f'{a} vs {b}')
         except CheckError as e:
             raise SystemExit(f"correctness gate failed, no speed reported: {e}")
         errors[f'{a} vs {b}'] = diff / scale
-    tokens = {n: run_decode(m, steps, prompts[n], n_tokens - 1, device_type)[2] for n, m in models.items()}
-    for a, b in pairs:
-        same_tokens(a, tokens[a], b, tokens[b], 'eager')
-    return errors, tokens
-
-
-def prefill_logits(model, idx, input_pos):
-    """The logits (B, T, V) of a prefill through the KV caches: what the bf16 gate compares."""
-    with torch.no_grad():
-        return model(idx, input_pos=input_pos)[0]
+        tokens = [run_decode(models[n], steps, prompts[n], n_tokens - 1, device_type)[2] for n in (a, b)]
+        same_tokens_up_to_a_near_tie(f'{a} vs {b} (eager)', None, None, tokens[1], tokens[0], 0)
+    return errors
 
 
 def same_tokens_up_to_a_near_tie(name, model, prompt, got, want, rtol):
     """SystemExit unless got == want (B, n) up to the first token where they differ, and there the
     eager model's top-2 logit margin is below rtol · max |logit| in every row that differs (rounding
-    may flip such a tie). Returns a note on where a tie was met ('' when none)."""
+    may flip such a tie; rtol = 0: no flip allowed, model unused). Returns a note on where a tie was
+    met ('' when none)."""
     if torch.equal(got, want):
         return ''
     j = (got != want).any(dim=0).nonzero()[0].item()
+    fail = f"correctness gate failed, no speed reported: {name}: greedy tokens differ from token {j} on"
+    if not rtol:
+        raise SystemExit(fail)
     seq = torch.cat([prompt, want[:, :j]], dim=1)  # the context in which token j was chosen
     with torch.no_grad():
         logits = model(seq, seq)[0][:, -1].float()
     top2, rows = logits.topk(2, dim=-1).values, (got[:, j] != want[:, j])
     margin, tol = (top2[:, 0] - top2[:, 1])[rows].max().item(), rtol * logits.abs().max().item()
     if not margin < tol:
-        raise SystemExit(f"correctness gate failed, no speed reported: {name}: greedy tokens differ from "
-                         f"token {j} on, where the eager top-2 margin {margin:.3g} is no near-tie (< {tol:.3g})")
+        raise SystemExit(f"{fail}, where the eager top-2 margin {margin:.3g} is no near-tie (< {tol:.3g})")
     return f"{name}: a near-tie at token {j} (margin {margin:.2g} < {tol:.2g})"
 
 
-def gate_compiled(models, steps, prompts, eager_tokens, dt, device_type, compile_s):
+def gate_compiled(models, steps, prompts, n_new, dt, device_type, compile_s):
     """After the compiled warm-up: print the compile times, then check every compiled variant
     against the same variant eager, in the dtype timed (SystemExit otherwise). fp32: greedy tokens
     equal. bf16: a compiled prefill's logits within BF16_RTOL · max |logit| of the eager ones, and
     greedy tokens equal up to the first near-tie (same_tokens_up_to_a_near_tie)."""
-    for n in models:
-        print(f"  compiled {n} in {compile_s[n]:.1f} s")
-    n_new = next(iter(eager_tokens.values())).size(1) - 1
-    if dt == 'float32':
-        for n, m in models.items():
-            tokens = run_decode(m, steps[n], prompts[n], n_new, device_type)[2]
-            same_tokens(f'{n} compiled', tokens, f'{n} eager', eager_tokens[n], 'fp32')
-        return print("  gate (fp32, compiled): every variant's greedy tokens equal its eager ones")
-    eager, notes, worst = make_steps(False, device_type), [], 0.0
+    rtol, eager, notes, worst = (0 if dt == 'float32' else BF16_RTOL), make_steps(False, device_type), [], 0.0
     for n, m in models.items():
-        compiled_logits = make_steps(True, device_type, functions=(prefill_logits,))[0]  # a graph per variant
-        P = prompts[n].size(1)
-        pos = torch.arange(P, device=prompts[n].device)
-        a, b = prefill_logits(m, prompts[n], pos).float(), compiled_logits(m, prompts[n], pos).float()
-        err = (a - b).abs().max().item() / a.abs().max().item()
-        if not err <= BF16_RTOL:
-            raise SystemExit(f"correctness gate failed, no speed reported: {n} compiled vs eager ({dt}): prefill "
-                             f"logits differ by {err:.2e} of max |logit| (tolerance {BF16_RTOL:g})")
-        worst = max(worst, err)
-        got = run_decode(m, steps[n], prompts[n], n_new, device_type)[2]
-        want = run_decode(m, eager, prompts[n], n_new, device_type)[2]
-        notes.append(same_tokens_up_to_a_near_tie(f'{n} compiled vs eager', m, prompts[n], got, want, BF16_RTOL))
-    print(f"  gate ({dt}, compiled): prefill logits within {worst:.1e} of max|logit| (tolerance {BF16_RTOL:g}); "
+        print(f"  compiled {n} in {compile_s[n]:.1f} s")
+        if rtol:  # a prefill's logits (B, 1, V) through the KV caches, eager and compiled (a graph per variant)
+            pos = torch.arange(prompts[n].size(1), device=prompts[n].device)
+            forwards = (GPT.forward, *make_steps(True, device_type, (GPT.forward,)))
+            with torch.no_grad():
+                a, b = (f(m, prompts[n], None, pos)[0].float() for f in forwards)
+            worst = max(worst, (a - b).abs().max().item() / a.abs().max().item())
+            if not worst <= BF16_RTOL:
+                raise SystemExit(f"correctness gate failed, no speed reported: {n} compiled vs eager ({dt}): prefill "
+                                 f"logits differ by {worst:.2e} of max |logit| (tolerance {BF16_RTOL:g})")
+        got, want = (run_decode(m, s, prompts[n], n_new, device_type)[2] for s in (steps[n], eager))
+        notes.append(same_tokens_up_to_a_near_tie(f'{n} compiled vs eager', m, prompts[n], got, want, rtol))
+    within = f"prefill logits within {worst:.1e} of max|logit| (tolerance {BF16_RTOL:g}); " if rtol else ''
+    print(f"  gate ({dt}, compiled): {within}"
           + ('; '.join(x for x in notes if x) or "every variant's greedy tokens equal its eager ones"))
 
 
@@ -338,10 +309,11 @@ def main(argv):
     device_type = torch.device(dev).type
     if device_type == 'cuda':
         torch.cuda.set_device(dev)  # sync and memory statistics then refer to this device
+    set_tf32(dev, 'float32')  # the gate's forwards: IEEE fp32, whatever ran before in the process
     flags = {'both': [False, True], 'eager': [False], 'compiled': [True]}[cfg.compile]
     B, P, N = cfg.batch_size, cfg.prompt_len, cfg.new_tokens
-    extra, raw, pairs, about, ckpt_arch = checkpoint_variants(cfg) if cfg.ckpt else ({}, {}, [], '', arch)
-    arch = ckpt_arch  # with --ckpt, every variant takes the checkpoint's shape, whatever --size says
+    # with --ckpt, every variant takes the checkpoint's shape, whatever --size says
+    extra, raw, pairs, about, arch = checkpoint_variants(cfg) if cfg.ckpt else ({}, {}, [], '', arch)
     models, all_taper = build_variants(arch, cfg.seed)
     reference = {**dict.fromkeys(models, 'baseline'), **dict.fromkeys(extra, 'ckpt_baseline')}
     models.update(extra)
@@ -349,9 +321,9 @@ def main(argv):
     pairs = [('internal_unfused', 'internal_folded'), ('all_taper', 'all_folded')] + pairs
 
     print(f"bench: {'the checkpoint' if cfg.ckpt else cfg.size or 'custom'}'s shape {arch} | {', '.join(models)}")
-    print(f"  device={dev} dtype={dt} torch={torch.__version__} threads={torch.get_num_threads()} | "
-          f"mode=decode batch_size={B} prompt_len={P} new_tokens={N} | trials={cfg.trials} (+2 warm-up) | "
-          f"{' and '.join('compiled' if f else 'eager' for f in flags)}")
+    print(f"  device={dev} dtype={dt} tf32={uses_tf32(dev, dt)} torch={torch.__version__} threads="
+          f"{torch.get_num_threads()} | mode=decode batch_size={B} prompt_len={P} new_tokens={N} | trials="
+          f"{cfg.trials} (+2 warm-up) | {' and '.join('compiled' if f else 'eager' for f in flags)}")
     if cfg.trials < 5:
         print(f"  note: {cfg.trials} trial{'s' * (cfg.trials != 1)}; medians of fewer than 5 are noisy")
     if about:
@@ -364,17 +336,17 @@ def main(argv):
     for m in gated.values():
         m.to(dev).setup_caches(B, P + N)
     t0 = time.perf_counter()
-    errors, eager_tokens = gate_eager(gated, pairs, prompts, gate_tokens, cfg.seed, device_type)
+    errors = gate_eager(gated, pairs, prompts, gate_tokens, cfg.seed, device_type)
     print("  gate (fp32, eager): " + ', '.join(f"{k}: max|Δ logit|/max|logit| {v:.1e}" for k, v in errors.items())
           + f"; first {gate_tokens} greedy tokens identical ({time.perf_counter() - t0:.1f} s)")
     del gated, all_taper, raw  # the unfolded forms are not timed
 
     for m in models.values():
         m.to(dtype=getattr(torch, dt))  # weights and KV caches
-    results = []
+    tf32, results = set_tf32(dev, dt), []
     for compiled in flags:
         steps = {n: make_steps(compiled, device_type) for n in models}
-        gate = partial(gate_compiled, models, steps, prompts, eager_tokens, dt, device_type) if compiled else None
+        gate = partial(gate_compiled, models, steps, prompts, gate_tokens - 1, dt, device_type) if compiled else None
         compile_s, times, transient = time_variants(models, steps, prompts, N, cfg.trials, device_type, gate)
         results += result_rows(models, reference, times, transient, compile_s, compiled, cfg)
 
@@ -384,7 +356,7 @@ def main(argv):
     record = {'device': torch.cuda.get_device_name(dev) if device_type == 'cuda' else f'cpu ({os.cpu_count()} cores)',
               'torch': torch.__version__,
               'config': dict(size=cfg.size, **{k: arch[k] for k in SHAPE}, batch_size=B, prompt_len=P, new_tokens=N,
-                             dtype=dt, trials=cfg.trials, seed=cfg.seed, mode='decode', compile=cfg.compile,
+                             dtype=dt, tf32=tf32, trials=cfg.trials, seed=cfg.seed, mode='decode', compile=cfg.compile,
                              ckpt=cfg.ckpt),
               'gate': errors, 'results': results}
     print(json.dumps(record))
@@ -409,20 +381,20 @@ def profile_step(models, compiled_steps, prompt, device_type):
     from torch.profiler import ProfilerActivity, profile as torch_profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == 'cuda' else [])
     P, kind = prompt.size(1), 'device' if device_type == 'cuda' else 'cpu'
-    for n, how in [(n, how) for n in ('baseline', 'internal_folded') for how in ('eager', 'compiled')]:
-        if how == 'compiled' and not compiled_steps:
-            continue
+    hows = ('eager', 'compiled') if compiled_steps else ('eager',)
+    for n, how in [(n, how) for n in ('baseline', 'internal_folded') for how in hows]:
         first, step = compiled_steps[n] if how == 'compiled' else make_steps(False, device_type)
         tok = first(models[n], prompt, torch.arange(P, device=prompt.device)).clone()
         pos = torch.tensor([P], device=prompt.device)
         for _ in range(3):
             step(models[n], tok, pos)
-        sync(device_type)
+        sync(device_type)  # the warm-up's kernels end outside the profile
         with torch_profile(activities=activities) as prof:
             step(models[n], tok, pos)
             sync(device_type)
         print(f"---- profile: one decode step of {n} ({how}) ----")
         print(prof.key_averages().table(sort_by=f'self_{kind}_time_total', row_limit=14))
+
 
 if __name__ == '__main__':
     main(sys.argv[1:])

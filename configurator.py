@@ -158,11 +158,15 @@ def check_compiler(device):
                          "a working C++ compiler (g++ or $CXX) is needed; --compile=False runs without it") from None
 
 
-def resolve_device(device, dtype='auto'):
+def resolve_device(device, dtype='auto', local_rank=None):
     """(device string, dtype name) from the shared settings; SystemExit with one line if unusable.
 
     device: 'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:N' or 'mps'. dtype: 'auto'
     (bfloat16 on a CUDA device that supports it, else float32), 'float32', 'bfloat16', 'float16'.
+    A CUDA device always comes back with its index: 'cuda' is the current device ('cuda:0' unless
+    set), and under DDP (local_rank given) every CUDA device is the rank's own, 'cuda:<local_rank>'
+    (without asking CUDA which is current: that would touch device 0 from every rank). torch.cuda
+    calls that take a device (set_device, ...) refuse one without an index.
     """
     if device == 'auto':
         device = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
@@ -177,11 +181,31 @@ def resolve_device(device, dtype='auto'):
     if kind == 'mps' and not torch.backends.mps.is_available():
         raise SystemExit(f"config error: device={device!r}: this torch build or machine has no MPS "
                          "(Apple GPU) support; use --device=cpu")
+    if kind == 'cuda':
+        index = local_rank if local_rank is not None else torch.device(device).index
+        device = f'cuda:{torch.cuda.current_device() if index is None else index}'
     if dtype == 'auto':
         dtype = 'bfloat16' if kind == 'cuda' and torch.cuda.is_bf16_supported() else 'float32'
     if dtype not in ('float32', 'bfloat16', 'float16'):
         raise SystemExit(f"config error: dtype={dtype!r}: choose 'auto', 'float32', 'bfloat16' or 'float16'")
     return device, dtype
+
+
+def uses_tf32(device, dtype):
+    """Whether a run on device in dtype computes with TF32 matmuls: on a CUDA device in a 16-bit
+    dtype (its matmuls round to bf16 already; TF32, 10 mantissa bits, is finer, for the products
+    autocast leaves in fp32), never in float32, which means IEEE float32 products. What set_tf32
+    sets and the runs' records (bench, train, study) say."""
+    return torch.device(device).type == 'cuda' and dtype != 'float32'
+
+
+def set_tf32(device, dtype):
+    """Set torch's process-wide TF32 flags (cuBLAS matmul, cuDNN) to uses_tf32(device, dtype):
+    whatever ran before in the process (train.main in a test session) leaves nothing. Returns it."""
+    on = uses_tf32(device, dtype)
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
+    return on
 
 
 def keys_set(argv, defaults, keys, choices=None):

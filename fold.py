@@ -33,7 +33,7 @@ import sys
 import numpy as np
 import torch
 
-from configurator import ConfigError, configure, resolve_device
+from configurator import ConfigError, configure, resolve_device, set_tf32
 from model import FAKELN_EVENTS, GPTConfig
 from runs import load_model, model_from_state_dict, save_checkpoint
 
@@ -209,6 +209,7 @@ def main(argv):
     """Fold --ckpt into --out and print the check; returns the report as a dict."""
     cfg = configure(argv, globals(), validate=validate)
     dev, _ = resolve_device(cfg.device, 'float32')
+    set_tf32(dev, 'float32')  # the check compares with fp64: IEEE fp32 products, whatever ran before
     unfolded, ck = load_model(cfg.ckpt, dev)
     try:
         sd, args = fold_state_dict(ck['model'], ck['model_args'])

@@ -23,7 +23,7 @@ try:
 except ImportError:
     fcntl = None
 
-from configurator import ConfigError, parse_args, resolve_device
+from configurator import ConfigError, parse_args, resolve_device, set_tf32
 from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -187,24 +187,22 @@ def mean_ce(model, data, starts, batch_size, block_size, env):
 # ---- processes and devices ------------------------------------------------------------------
 
 def setup(cfg):
-    """Devices, DDP (when launched by torchrun) and autocast: a SimpleNamespace with dev,
-    device_type, ddp, rank, local_rank, world, master, autocast, compile."""
+    """Devices, DDP (when launched by torchrun), TF32 and autocast: a SimpleNamespace with dev (a
+    CUDA device with its index, made current), dtype, tf32 (configurator.set_tf32), device_type,
+    ddp, rank, local_rank, world, master, autocast, compile."""
     ddp = int(os.environ.get('RANK', -1)) != -1
-    dev, dt = resolve_device(cfg.device, cfg.dtype)
     rank, local_rank, world = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
-    if ddp:
-        if dev.startswith('cuda'):
-            dev = f'cuda:{local_rank}'
-            torch.cuda.set_device(dev)
-        be = ('nccl' if dev.startswith('cuda') else 'gloo') if cfg.backend == 'auto' else cfg.backend
-        torch.distributed.init_process_group(backend=be)
+    dev, dt = resolve_device(cfg.device, cfg.dtype, local_rank if ddp else None)
     device_type = torch.device(dev).type
     if device_type == 'cuda':
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        torch.cuda.set_device(dev)  # torch.cuda.synchronize() and NCCL then use this device
+    if ddp:
+        be = ('nccl' if device_type == 'cuda' else 'gloo') if cfg.backend == 'auto' else cfg.backend
+        torch.distributed.init_process_group(backend=be)
+    tf32 = set_tf32(dev, dt)
     autocast = nullcontext() if dt == 'float32' else torch.autocast(device_type=device_type, dtype=torch.bfloat16)
-    return SimpleNamespace(dev=dev, dtype=dt, device_type=device_type, ddp=ddp, rank=rank, local_rank=local_rank,
-                           world=world, master=rank == 0, autocast=autocast,
+    return SimpleNamespace(dev=dev, dtype=dt, tf32=tf32, device_type=device_type, ddp=ddp, rank=rank,
+                           local_rank=local_rank, world=world, master=rank == 0, autocast=autocast,
                            compile=device_type == 'cuda' if cfg.compile == 'auto' else cfg.compile)
 
 
@@ -233,7 +231,12 @@ def end_processes(env):
 
 def wrap_ddp(model, env):
     """model under DDP when launched by torchrun, else model itself. broadcast_buffers=False:
-    the calibration statistics are each rank's own until the model all-reduces them."""
+    the calibration statistics are each rank's own until the model all-reduces them.
+
+    A compiled model goes in compiled (DDP of torch.compile(model)), the order PyTorch's "Where to
+    apply torch.compile?" recommends: its forward runs inside DDP's, so dynamo's DDPOptimizer splits
+    the graph at DDP's gradient buckets and each bucket's all-reduce overlaps the rest of the backward.
+    torch.compile(DDP(model)) makes dynamo trace DDP's own Python, which breaks its graph (torch 2.13)."""
     if not env.ddp:
         return model
     with warnings.catch_warnings():
@@ -383,7 +386,9 @@ def model_from_state_dict(state_dict, model_args):
     return model.eval()
 
 def load_model(path, device='cpu'):
-    """Load a train.py or fold.py checkpoint for inference: returns (model in eval mode,
-    in the phase its buffers imply, the checkpoint dict). Errors as load_checkpoint."""
-    ckpt = load_checkpoint(path, device)
+    """Load a train.py or fold.py checkpoint for inference: returns (model on device, in eval mode,
+    in the phase its buffers imply, the checkpoint dict with its tensors on the CPU). Errors as
+    load_checkpoint; the file is read on the CPU, so that a device's own error (no such GPU, out of
+    memory) comes from .to(device) as itself, not as "not a readable checkpoint"."""
+    ckpt = load_checkpoint(path)
     return model_from_state_dict(ckpt['model'], ckpt['model_args']).to(device), ckpt

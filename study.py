@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from configurator import configure, defaults_of, parse_args, resolve_device
+from configurator import configure, defaults_of, parse_args, resolve_device, uses_tf32
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -430,7 +430,7 @@ def provenance(wall, threads, args):
     where = f"{dev}: {torch.cuda.get_device_name(dev)}" if dev.startswith('cuda') else dev
     cpu = {} if dev.startswith('cuda') else dict(cpu_capability=torch.backends.cpu.get_cpu_capability())
     return dict(git_commit=git_commit(), torch=torch.__version__, threads=threads, **wall,
-                device=where, dtype=dtype, **cpu)
+                device=where, dtype=dtype, tf32=uses_tf32(dev, dtype), **cpu)
 
 
 # ---- tables -----------------------------------------------------------------------------

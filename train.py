@@ -477,7 +477,8 @@ def main(argv):
 
     if env.master:
         print(f"{raw_model.num_params() / 1e6:.2f}M parameters | taper={cfg.taper} norm={cfg.norm} "
-              f"λ={cfg.aux_weight} | device={env.dev} dtype={env.dtype} compile={env.compile} world={env.world} | "
+              f"λ={cfg.aux_weight} | device={env.dev} dtype={env.dtype} tf32={env.tf32} compile={env.compile} "
+              f"world={env.world} | "
               f"{tokens_per_iter:,} tokens/iter | writing {ckpt_path} and log.jsonl")
 
     # ---- the training loop ----
@@ -539,8 +540,8 @@ def main(argv):
     fakeln_events(raw_model, iter_num, cfg, env)
     checkpoint(iter_num)
     final_val, final_train = final_losses(raw_model, folder, cfg, env)
-    log({'iter': iter_num, 'phase': raw_model.phase, 'final_val_loss': final_val, 'final_train_loss': final_train},
-        cfg, env)
+    log({'iter': iter_num, 'phase': raw_model.phase, 'final_val_loss': final_val, 'final_train_loss': final_train,
+         'device': env.dev, 'dtype': env.dtype, 'tf32': env.tf32}, cfg, env)
     del train_model  # under DDP its reducer holds the process group: free it before the group goes
     end_processes(env)
     return raw_model

@@ -24,7 +24,7 @@ def test_bench_runs_end_to_end_and_ends_with_one_json_line(capsys):
     record = last_json(capsys)
     assert set(record) >= {'device', 'torch', 'config', 'results'}
     assert record['config'] == dict(size='', n_layer=2, n_head=2, n_embd=32, vocab_size=128, block_size=64,
-                                    batch_size=1, prompt_len=8, new_tokens=8, dtype='float32', trials=2,
+                                    batch_size=1, prompt_len=8, new_tokens=8, dtype='float32', tf32=False, trials=2,
                                     seed=1337, mode='decode', compile='eager', ckpt='')
     assert [r['variant'] for r in record['results']] == list(bench.VARIANTS)
     for r in record['results']:

@@ -61,3 +61,21 @@ def test_two_process_gloo_run_agrees_on_c(toy_data, tmp_path):
                            capture_output=True, text=True, timeout=180, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count('is a finished run (12 of 12 steps') == 1, again.stdout
+
+
+@pytest.mark.skipif(not localhost_works(), reason='cannot open a TCP connection to localhost: no loopback networking')
+def test_a_compiled_two_process_run_keeps_the_ranks_identical(toy_data, tmp_path):
+    """DDP of the compiled model (runs.wrap_ddp): dynamo's DDPOptimizer runs inside DDP's forward; the
+    replicas stay identical and each version of the forward compiles once on each rank."""
+    out = tmp_path / 'ddp'
+    worker = os.path.join(os.path.dirname(__file__), 'ddp_worker.py')
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', worker,
+           *toy_args(toy_data, out, backend='gloo', max_iters=10, gate_warmup_iters=3, taper_iters=4,
+                     eval_interval=5, compile=True, dropout=0.0)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((out / f'rank{r}.json').read_text()) for r in (0, 1)]
+    assert ranks[0]['phase'] == 'linear' and ranks[0]['state'] == ranks[1]['state']
+    # a version of the forward per phase in training (3) and in the calibrate event (2), each compiled
+    # once; rank 0 also evaluates (warmup, taper): far below the recompile limit
+    assert [r['compiled_graphs'] for r in ranks] == [7, 5]
