@@ -73,7 +73,7 @@ def test_every_script_sets_up_cuda_with_an_indexed_device(device, stand_in_cuda,
         if name in ('train', 'bench'):  # they make the device current: synchronize() and NCCL then use it
             assert stand_in_cuda == [('set_device', 'cuda:0')], name
     # the study records where each cell ran, resolving the cell's device as train.py does
-    record = study.provenance(1.0, 1, ['--dataset=toy', f'--device={device}', '--dtype=float32'])
+    record = study.provenance({'wall_s': 1.0}, 1, ['--dataset=toy', f'--device={device}', '--dtype=float32'])
     assert (record['device'], record['dtype'], record['tf32']) == ('cuda:0: Stand-in GPU', 'float32', False)
 
 
