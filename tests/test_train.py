@@ -309,7 +309,7 @@ def test_resume_on_another_number_of_processes_is_refused(toy_data, tmp_path):
     ckpt.update(iter_num=6, world=2)  # as if stopped halfway under torchrun --nproc_per_node=2
     torch.save(ckpt, out / 'ckpt.pt')
     with pytest.raises(SystemExit, match=r'trained on 2 process\(es\), this run has 1: .* resume it on 2 '
-                                         r'\(torchrun --nproc_per_node=2 train.py --init_from=resume'):
+                                         r'\(torchrun --standalone --nproc_per_node=2 train.py --init_from=resume'):
         train.main([f'--out_dir={out}', '--init_from=resume'])
     del ckpt['world']  # a checkpoint from before the key: not refused
     torch.save(ckpt, out / 'ckpt.pt')
