@@ -563,6 +563,8 @@ def main(argv):
             stats = train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stop)
             if cut:  # under DDP the step told the other ranks; its result is not kept
                 stopped(f'during the evaluation at iteration {it}', it, save=False)
+            if env.ddp:  # a signal from here on rides on the next step's all-reduce: that step is the last
+                stop.doing = f'iteration {it + 1}' if it + 1 < cfg.max_iters else 'the final checkpoint'
             if phase == 'warmup' and cfg.calibration == 'ema':
                 raw_model.calibration_step()
             if cfg.norm_removal == 'fakeln':
@@ -580,7 +582,8 @@ def main(argv):
                          grad_norm=stats['grad_norm'], step_ms=1000 * dt_s, tokens_per_s=tokens_per_iter / dt_s),
                     cfg, env)
             if phase == 'warmup' and it == cfg.gate_warmup_iters - 1:
-                stop.doing = f'the calibrate event after iteration {it}'
+                if not env.ddp:
+                    stop.doing = f'the calibrate event after iteration {it}'
                 log({'event': 'calibrate', 'iter': it, **calibrate_event(fwd_model, raw_model, folder, cfg, env)},
                     cfg, env)
             iter_num += 1

@@ -103,12 +103,13 @@ def test_interrupted_and_resumed_run_logs_exactly_one_uninterrupted_run(toy_data
 
 
 def signal_at(monkeypatch, module, name, when, signum):
-    """Patch module.name so that the call for which when(*args) is true first sends signum to
-    this process (its handler runs as soon as the call returns)."""
-    real = getattr(module, name)
+    """Patch module.name so that the first call for which when(*args) is true first sends signum
+    to this process, once (its handler runs as soon as the call returns)."""
+    real, sent = getattr(module, name), []
 
     def patched(*args, **kw):
-        if when(*args):
+        if not sent and when(*args):
+            sent.append(signum)
             os.kill(os.getpid(), signum)
         return real(*args, **kw)
 
@@ -250,15 +251,26 @@ def wait_for_line(lines, text, proc, timeout=120):
     raise AssertionError(f'no line with {text!r}')
 
 
-def test_ctrl_c_during_an_evaluation_is_answered_and_cuts_it_short(toy_data, tmp_path):
+@pytest.fixture
+def started():
+    """run_train(args), each process it started killed when the test ends: a run that did not stop
+    must not outlive its test."""
+    procs = []
+    yield lambda args: procs.append(run_train(args)) or procs[-1]
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_ctrl_c_during_an_evaluation_is_answered_and_cuts_it_short(toy_data, tmp_path, started):
     """A real Ctrl-C in an evaluation of a million batches: one line at once, then the checkpoint
     of the step before it, one line, exit 130, no traceback."""
     out = tmp_path / 'run'
-    proc = run_train(toy_args(toy_data, out, eval_iters=10 ** 6))
+    proc = started(toy_args(toy_data, out, eval_iters=10 ** 6))
     wait_for_line(read_lines(proc.stdout), 'evaluating at iteration 0: val loss over 1000000 batches', proc)
     proc.send_signal(signal.SIGINT)
-    stderr = proc.stderr.read()
-    assert proc.wait(timeout=60) == 130
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130
     assert stderr.splitlines() == [
         'SIGINT: cutting the evaluation at iteration 0 short, then saving and stopping (Ctrl-C again stops at once, '
         'without saving)',
@@ -267,12 +279,12 @@ def test_ctrl_c_during_an_evaluation_is_answered_and_cuts_it_short(toy_data, tmp
     assert load_checkpoint(str(out / 'ckpt.pt'))['iter_num'] == 0
 
 
-def test_a_second_ctrl_c_stops_at_once_without_saving_in_one_line(toy_data, tmp_path):
+def test_a_second_ctrl_c_stops_at_once_without_saving_in_one_line(toy_data, tmp_path, started):
     """Ctrl-C in a long training step: the step would finish and be saved; a second Ctrl-C ends the
     process at once, with one more line and no traceback, and the folder keeps the checkpoint
     written before that step."""
     out = tmp_path / 'run'
-    proc = run_train(toy_args(toy_data, out, eval_iters=1, gradient_accumulation_steps=5000))
+    proc = started(toy_args(toy_data, out, eval_iters=1, gradient_accumulation_steps=5000))
     wait_for_line(read_lines(proc.stdout), 'estimate:', proc)  # printed in the first evaluation's only batch
     time.sleep(1)  # the evaluation is over: step 0, 5000 micro-batches, runs
     errors = read_lines(proc.stderr)
