@@ -95,7 +95,8 @@ def check_overlay_order(args):
     for i in range(1, len(files)):
         early = max(range(i), key=lambda j: ranks[j])  # the overlay that file i should precede
         if ranks[i] < ranks[early]:
-            fixed = sorted(files, key=overlay_rank) + [a for a in args if a not in files]  # stable: bases keep their order
+            # sorted is stable: the base configs keep their order, and so do the overrides after them
+            fixed = sorted(files, key=overlay_rank) + [a for a in args if a not in files]
             what = (f"{files[i]} comes after the overlay {files[early]} and would undo it" if ranks[i] == 0 else
                     f"the overlay {files[i]} comes after {files[early]}, which must follow it")
             raise ConfigError(f"{what}: give base configs first, then the overlays (config/cpu.py before "

@@ -2,9 +2,10 @@
 The mechanics around one train.py run, kept apart so that train.py shows the method: resume
 (the stored configuration and its check), the dataset's checks, the seeded streams batches are
 drawn from and the final losses over whole splits, processes and devices (DDP, autocast,
-torch.compile), the run folder (one run per out_dir, its lock, the log on resume), stopping on a
-signal, the log itself, and checkpoints (written atomically, read by one loader, a model built
-from one). From a user's side they are in docs/runs.md.
+torch.compile), what a long run prints about its time, the run folder (one run per out_dir, its
+lock, the log on resume), stopping on a signal, the log itself, and checkpoints (written
+atomically, read by one loader, a model built from one). From a user's side they are in
+docs/runs.md.
 """
 
 import json

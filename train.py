@@ -313,8 +313,7 @@ def train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stop=No
     means over micro-batches and ranks {loss, ce, aux, hidden_rms, logit_rms, radial_cos},
     grad_norm (before clipping) and stop: whether any rank's StopSignal `stop` had received a
     signal when its gradients were complete (it rides on the same all-reduce, so every rank stops
-    at the same step), all read from the device in one
-    .tolist(), the step's only host sync. SystemExit on a non-finite loss, before the optimizer
+    at the same step), all read from the device in one .tolist(), the step's only host sync. SystemExit on a non-finite loss, before the optimizer
     step. batches: a Batches (the next step's first micro-batch is built before that sync)."""
     torch.manual_seed(int(np.random.SeedSequence([cfg.seed, it, env.rank]).generate_state(1)[0]))  # dropout
     sums = torch.zeros(8, device=env.dev)
@@ -518,8 +517,8 @@ def main(argv):
     with StopSignal(talk=env.master) as stop:
 
         def stopped(when, saved, save=True):
-            """After a signal: a checkpoint of iteration `saved` (unless one was just written), one
-            line saying when the run stopped and how it continues, exit 130 (SIGINT) or 143."""
+            """After a signal: a checkpoint of iteration `saved` (save=False: it was just written),
+            one line saying when the run stopped and how it continues, exit 130 (SIGINT) or 143."""
             if save:
                 checkpoint(saved)
             if env.master:
