@@ -352,11 +352,12 @@ def train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stop=No
 @torch.no_grad()
 def estimate_val_loss(fwd_model, raw_model, folder, cfg, env, first_batch=None):
     """Mean cross-entropy over eval_iters fixed random val batches (the same batches every time);
-    a tqdm bar on a terminal. first_batch(seconds): called with the first batch's time."""
+    a tqdm bar on a terminal. first_batch(seconds): called with the time of one batch, the first
+    (the second when compiled: the first compiles the evaluation's graph; none if there is only one)."""
     collect = raw_model.collect
     raw_model.set_collect(None)  # evaluation never touches the calibration statistics
     fwd_model.eval()
-    losses = []
+    losses, timed = [], 1 if env.compile else 0
     try:
         for k in tqdm(range(cfg.eval_iters), desc='val loss', leave=False, disable=None if env.master else True):
             t0 = time.perf_counter()
@@ -364,7 +365,7 @@ def estimate_val_loss(fwd_model, raw_model, folder, cfg, env, first_batch=None):
             with env.autocast:
                 fwd_model(x, y)
             losses.append(raw_model.last_metrics.ce)
-            if k == 0 and first_batch is not None:
+            if k == timed and first_batch is not None:
                 if env.device_type == 'cuda':
                     torch.cuda.synchronize()
                 first_batch(time.perf_counter() - t0)
