@@ -10,7 +10,9 @@ A script declares its keys as module globals between two `# ----` lines, each wi
 
 and calls `cfg = configure(argv, globals())`. The values are, in order: the defaults, each config
 file given (plain Python, executed with the current values as its namespace), then each
---key=value (a Python literal, or else the bare text). `-h` / `--help` prints the block above.
+--key=value (a Python literal, or else the bare text). Overlays (files that set `_overlay = N`:
+config/cpu.py, config/smoke.py) come after the base configs in the order of N; any other order is
+refused. `-h` / `--help` prints the block above.
 Every mistake ends the script with one line that names the key and the fix.
 """
 
@@ -71,6 +73,36 @@ def unknown_key(key, known, where):
     return ConfigError(f"{where}: unknown config key {key!r}{hint}")
 
 
+def overlay_rank(path):
+    """A config file's place in the order files are given: the number it assigns to `_overlay` at
+    its top level (config/cpu.py 1, config/smoke.py 2: an overlay changes what the files before
+    it set), 0 for a base config. Read from the source, without running it."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                and any(isinstance(t, ast.Name) and t.id == '_overlay' for t in node.targets)):
+            return int(node.value.value)
+    return 0
+
+
+def check_overlay_order(args):
+    """ConfigError unless the config files among args come in overlay_rank order (base configs,
+    then config/cpu.py, then config/smoke.py): a file applied out of order would undo or rescale
+    another. The message gives every argument back in the order that works."""
+    files = [a for a in args if not a.startswith('-') and '=' not in a and os.path.isfile(a)]
+    ranks = [overlay_rank(f) for f in files]
+    for i in range(1, len(files)):
+        early = max(range(i), key=lambda j: ranks[j])  # the overlay that file i should precede
+        if ranks[i] < ranks[early]:
+            # sorted is stable: the base configs keep their order, and so do the overrides after them
+            fixed = sorted(files, key=overlay_rank) + [a for a in args if a not in files]
+            what = (f"{files[i]} comes after the overlay {files[early]} and would undo it" if ranks[i] == 0 else
+                    f"the overlay {files[i]} comes after {files[early]}, which must follow it")
+            raise ConfigError(f"{what}: give base configs first, then the overlays (config/cpu.py before "
+                              f"config/smoke.py): {' '.join(fixed)}")
+
+
 def parse_args(args, defaults, choices=None, fill=('out_dir',)):
     """defaults → config files → --key=value, in the order given; returns a new dict.
 
@@ -82,7 +114,7 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',)):
     """
     choices = choices or {}
     cfg = dict(defaults)
-    overlay = None  # the first overlay file given (it sets `_overlay = True`): a base file after it would undo it
+    check_overlay_order(args)
     for arg in args:
         if arg.startswith('--'):
             key, eq, text = arg[2:].partition('=')
@@ -109,11 +141,6 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',)):
             namespace = dict(cfg, __file__=os.path.abspath(arg))
             with open(arg) as f:
                 exec(builtins.compile(f.read(), arg, 'exec'), namespace)
-            if namespace.get('_overlay'):
-                overlay = overlay or arg
-            elif overlay:
-                raise ConfigError(f"{arg} comes after the overlay {overlay} and would undo it: give base "
-                                  f"configs first, overlays last ({arg} {overlay})")
             for key, value in namespace.items():
                 if key.startswith('_') or isinstance(value, ModuleType) or callable(value):
                     continue

@@ -2,9 +2,10 @@
 The mechanics around one train.py run, kept apart so that train.py shows the method: resume
 (the stored configuration and its check), the dataset's checks, the seeded streams batches are
 drawn from and the final losses over whole splits, processes and devices (DDP, autocast,
-torch.compile), the run folder (one run per out_dir, its lock, the log on resume), stopping on a
-signal, the log itself, and checkpoints (written atomically, read by one loader, a model built
-from one). From a user's side they are in docs/runs.md.
+torch.compile), what a long run prints about its time, the run folder (one run per out_dir, its
+lock, the log on resume), stopping on a signal, the log itself, and checkpoints (written
+atomically, read by one loader, a model built from one). From a user's side they are in
+docs/runs.md.
 """
 
 import json
@@ -17,6 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 try:
     import fcntl  # the out_dir lock; Unix only
@@ -162,26 +164,108 @@ def final_losses(model, folder, cfg, env):
     train = np.memmap(os.path.join(folder, 'train.bin'), dtype=np.uint16, mode='r')
     n_windows = (len(val) - 1) // T
     train_starts = batch_rng(cfg.seed, 3).integers(len(train) - T, size=n_windows)
-    return tuple(mean_ce(model, data, starts, cfg.batch_size, T, env)
-                 for data, starts in ((val, [i * T for i in range(n_windows)]), (train, train_starts)))
+    return tuple(mean_ce(model, data, starts, cfg.batch_size, T, env, f'final {split} loss')
+                 for split, data, starts in (('val', val, [i * T for i in range(n_windows)]),
+                                             ('train', train, train_starts)))
 
 
-def mean_ce(model, data, starts, batch_size, block_size, env):
-    """Mean cross-entropy of the windows at `starts` (see windows), this rank's share."""
+def mean_ce(model, data, starts, batch_size, block_size, env, desc='windows'):
+    """Mean cross-entropy of the windows at `starts` (see windows), this rank's share; a tqdm bar
+    named desc on a terminal."""
     was_training = model.training
     model.eval()
     mine = list(starts[env.rank::env.world])
     total = torch.zeros(2, device=env.dev, dtype=torch.float64)  # sum of CE over tokens, tokens
     total[1] = len(mine) * block_size  # counted on the host: no device tensor per batch
-    for k in range(0, len(mine), batch_size):
-        x, y = windows(data, mine[k:k + batch_size], block_size, env.dev)
-        with env.autocast:
-            model(x, y)
-        total[0] += model.last_metrics.ce.double() * y.numel()
+    try:
+        for k in tqdm(range(0, len(mine), batch_size), desc=desc, leave=False, disable=None if env.master else True):
+            x, y = windows(data, mine[k:k + batch_size], block_size, env.dev)
+            with env.autocast:
+                model(x, y)
+            total[0] += model.last_metrics.ce.double() * y.numel()
+    finally:  # also when a signal cuts the work short (StopSignal.cut_short)
+        model.train(was_training)
     if env.ddp:
         torch.distributed.all_reduce(total)
-    model.train(was_training)
     return (total[0] / total[1]).item()
+
+
+# ---- progress: what a long run prints before its first log line ------------------------------
+
+CPU_LONG_S = 3600  # a run estimated at more than this on a CPU gets one line that says so, with a shorter command
+
+
+def count_multiples(a, b, n):
+    """How many multiples of n lie in [a, b) (iterations with an evaluation, for n = eval_interval)."""
+    return (b - 1) // n - (a - 1) // n
+
+
+def duration(seconds):
+    """seconds as a user reads them: '45 s', '26 min', '38 h 20 min'."""
+    if seconds < 90:
+        return f'{seconds:.0f} s'
+    if seconds < 90 * 60:
+        return f'{seconds / 60:.0f} min'
+    hours, minutes = divmod(round(seconds / 60), 60)
+    return f'{hours} h {minutes} min'
+
+
+class Progress:
+    """The time a run has left, estimated from its own timings and printed by rank 0: first from
+    the first evaluation batch it times (a training step taken as STEP_FORWARDS forward batches per
+    micro-batch: a backward pass costs about two forwards), then once more after its first
+    FIRST_STEPS training steps. On a CPU, an estimate above CPU_LONG_S also prints one line that
+    says so, with `hint` (a shorter command, from train.py) when there is one.
+
+    folder: the dataset folder (its val split sets the final losses' batches, runs.final_losses)."""
+
+    STEP_FORWARDS = 3
+    FIRST_STEPS = 3  # the first is not used: it builds the optimizer's state (and compiles)
+
+    def __init__(self, cfg, env, folder, hint=''):
+        self.cfg, self.env, self.hint = cfg, env, hint
+        windows = (os.path.getsize(os.path.join(folder, 'val.bin')) // 2 - 1) // cfg.block_size
+        per_rank = -(-windows // env.world)
+        self.final_batches = 2 * -(-per_rank // cfg.batch_size)  # val, and as many train windows
+        self.batch_s, self.step_s, self.warned = None, [], False
+
+    def forward_batches_left(self, it):
+        """Forward passes of one batch still ahead before iteration it runs: the evaluations from
+        it on, the calibrate event if it is ahead ('end' measures on its batches, then both
+        modes measure the branch mismatch), the final losses."""
+        c = self.cfg
+        calibrate = c.taper != 'none' and it < c.gate_warmup_iters
+        return (count_multiples(it, c.max_iters, c.eval_interval) * c.eval_iters + self.final_batches
+                + (c.calib_batches * (2 if c.calibration == 'end' else 1) if calibrate else 0))
+
+    def evaluation_batch(self, it, seconds):
+        """The first batch of the evaluation at iteration it took `seconds`: the first estimate,
+        unless training steps have given one."""
+        if self.batch_s is None:
+            self.batch_s = seconds
+            if not self.step_s:
+                step_s = self.STEP_FORWARDS * self.cfg.gradient_accumulation_steps * seconds
+                self.report(self.cfg.max_iters - it, step_s, self.forward_batches_left(it) - 1, seconds,
+                            'from the first evaluation batch')
+
+    def step(self, it, seconds):
+        """Training step it took `seconds` (evaluation excluded)."""
+        self.step_s.append(seconds)
+        if len(self.step_s) == self.FIRST_STEPS:
+            step_s = sum(self.step_s[1:]) / (self.FIRST_STEPS - 1)
+            batch_s = self.batch_s or step_s / (self.STEP_FORWARDS * self.cfg.gradient_accumulation_steps)
+            self.report(self.cfg.max_iters - it - 1, step_s, self.forward_batches_left(it + 1), batch_s,
+                        f'from iterations {it + 2 - self.FIRST_STEPS}–{it}')
+
+    def report(self, steps, step_s, batches, batch_s, source):
+        if not self.env.master:
+            return
+        left = steps * step_s + batches * batch_s
+        print(f"estimate: {duration(left)} left: {steps:,} steps at {step_s:.3g} s and {batches:,} forward batches "
+              f"(evaluations, calibration, final losses) at {batch_s:.3g} s, {source}", flush=True)
+        if self.env.device_type == 'cpu' and left > CPU_LONG_S and not self.warned:
+            self.warned = True
+            print(f"this run takes about {duration(left)} on this CPU{self.hint}", flush=True)
 
 
 # ---- processes and devices ------------------------------------------------------------------
@@ -250,10 +334,15 @@ def wrap_ddp(model, env):
 
 # ---- the run folder, signals, the log ---------------------------------------------------------
 
+# the temp files a run folder's writes go through (save_checkpoint, the log cut back on resume)
+TEMP_FILES = ('ckpt.pt.tmp', 'log.jsonl.tmp')
+
+
 def claim_out_dir(cfg, iter_num):
     """Make out_dir this process's run before anything is written to it. Returns the open lock
     file (keep it open: the lock lasts as long as this process, so a run killed with kill -9
-    leaves nothing that blocks its resume). SystemExit when another train.py holds out_dir, or
+    leaves nothing that blocks its resume); stale TEMP_FILES (a process killed mid-write) go.
+    SystemExit when another train.py holds out_dir, or
     a scratch run meets a used out_dir without --overwrite=True. On resume the log keeps only
     the records before iter_num, so it reads as one uninterrupted run."""
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -264,6 +353,9 @@ def claim_out_dir(cfg, iter_num):
         except BlockingIOError:
             raise SystemExit(f"{cfg.out_dir} is in use by another train.py run; wait for it to end "
                              "or choose another --out_dir") from None
+    for name in TEMP_FILES:  # left by a process killed while writing; the folder is this run's now
+        if os.path.exists(os.path.join(cfg.out_dir, name)):
+            os.remove(os.path.join(cfg.out_dir, name))
     log_path = os.path.join(cfg.out_dir, 'log.jsonl')
     used = [p for p in (os.path.join(cfg.out_dir, 'ckpt.pt'), log_path) if os.path.exists(p)]
     if cfg.init_from == 'scratch' and used:
@@ -282,20 +374,69 @@ def claim_out_dir(cfg, iter_num):
     return lock
 
 
+def resume_command(out_dir, world):
+    """The command that resumes the run in out_dir, launched as it was: python for one process,
+    torchrun for `world` processes (a run resumes on the number it was trained on)."""
+    launch = 'python train.py' if world == 1 else f'torchrun --standalone --nproc_per_node={world} train.py'
+    return f'{launch} --init_from=resume --out_dir={out_dir}'
+
+
+class Cut(Exception):
+    """Raised inside StopSignal.cut_short's work by the first signal: the work is abandoned."""
+
+
+def say(line):
+    """line on stderr at once, from a signal handler too: os.write, so a handler that interrupts
+    a print (or a tqdm bar) never meets a buffered writer in use."""
+    os.write(2, (line + '\n').encode())
+
+
 class StopSignal:
-    """A context in which SIGINT / SIGTERM (Ctrl-C, `timeout`, a batch scheduler) ask the loop to
-    stop after the step in progress (`received`); a second one stops at once."""
+    """A context in which SIGINT / SIGTERM (Ctrl-C, `timeout`, a batch scheduler) stop the run.
+
+    The first signal says at once, on stderr, what will happen: work run through `cut_short`
+    (an evaluation, the final losses) is abandoned on the spot; anything else (`doing`: a
+    training step, the calibrate event, a checkpoint being written) finishes, then the loop saves
+    and stops. `received` is that signal. A second signal ends the process at once without
+    saving (exit 130 / 143), in one line: out_dir/ckpt.pt keeps the last checkpoint written.
+    `talk`: whether this process prints (rank 0 under DDP)."""
+
+    def __init__(self, talk=True):
+        self.talk, self.received, self.previous = talk, None, {}
+        self.doing, self.cuttable = 'the step in progress', False
 
     def __enter__(self):
-        self.received, self.previous = None, {}
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
             self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def handle(self, signum, frame):
+        name = signal.Signals(signum).name
         if self.received is not None:
-            raise KeyboardInterrupt
+            if self.talk:
+                say(f"second {name}: stopped at once, without saving; the run folder keeps its last checkpoint")
+            os._exit(130 if signum == signal.SIGINT else 143)  # no cleanup: nothing may delay it
         self.received = signum
+        if self.talk:
+            say(f"{name}: {'cutting ' + self.doing + ' short' if self.cuttable else 'finishing ' + self.doing}, "
+                f"then saving and stopping (Ctrl-C again stops at once, without saving)")
+        if self.cuttable:
+            raise Cut
+
+    def cut_short(self, doing, work, *args):
+        """(work(*args), False), or (None, True) when a signal arrived before or during it: then
+        the work is abandoned at once, wherever it is (it must be work whose result the run can
+        do without, and that leaves the model as it found it, e.g. through try/finally)."""
+        try:
+            try:
+                self.doing, self.cuttable = doing, True
+                if self.received is None:
+                    return work(*args), False
+            finally:
+                self.cuttable = False
+        except Cut:
+            pass
+        return None, True
 
     def __exit__(self, *exc):
         for s, handler in self.previous.items():

@@ -347,7 +347,8 @@ def run_cell(name, args, out_dir, results, threads):
         if resume:
             cmd.append('--init_from=resume')
         os.makedirs(out_dir, exist_ok=True)
-        print(f"{name}: {'resuming' if resume else 'starting'}", flush=True)
+        # its progress, the run's own estimate included, is in train.out: say where
+        print(f"{name}: {'resuming' if resume else 'starting'} (progress: tail -f {out_dir}/train.out)", flush=True)
         open_segment(out_dir)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         with open(os.path.join(out_dir, 'train.out'), 'a') as out:

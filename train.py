@@ -38,14 +38,15 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from baselines import fakeln_step, remove_norms
-from configurator import ConfigError, check_compiler, configure, defaults_of, keys_set
+from configurator import ConfigError, check_compiler, configure, defaults_of, keys_set, overlay_rank
 from gpt2 import GPT2_MODELS, PRETRAINED_SHAPE, PretrainedError, from_pretrained, pretrained_args
 from model import FAKELN_EVENTS, GPT, GPTConfig
-from runs import (StopSignal, batch_rng, claim_out_dir, compile_model, end_processes, final_losses, final_record,
-                  find_dataset, log, model_from_state_dict, resume_config, save_checkpoint, setup, windows,
-                  wrap_ddp)
+from runs import (Progress, StopSignal, batch_rng, claim_out_dir, compile_model, end_processes, final_losses,
+                  final_record, find_dataset, log, model_from_state_dict, resume_command, resume_config,
+                  save_checkpoint, setup, windows, wrap_ddp)
 
 # -----------------------------------------------------------------------------
 # data
@@ -246,11 +247,10 @@ def check_same_world(ckpt, cfg, env):
     before the 'world' key pass."""
     was = ckpt.get('world', env.world) if ckpt is not None else env.world
     if was != env.world:
-        launch = 'python train.py' if was == 1 else f'torchrun --nproc_per_node={was} train.py'
         raise SystemExit(f"--init_from=resume: {cfg.out_dir} was trained on {was} process(es), this run has "
                          f"{env.world}: the tokens of a step (batch_size × block_size × gradient_accumulation_steps"
                          f" × processes) and the windows each rank reads would change; resume it on {was} "
-                         f"({launch} --init_from=resume --out_dir={cfg.out_dir})")
+                         f"({resume_command(cfg.out_dir, was)})")
 
 
 def train_batch(folder, cfg, env, it, micro):
@@ -308,12 +308,12 @@ def build_model(cfg, model_args, ckpt, env):
     return model, optimizer
 
 
-def train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stopping=False):
+def train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stop=None):
     """One optimizer step over gradient_accumulation_steps micro-batches. Returns the step's
     means over micro-batches and ranks {loss, ce, aux, hidden_rms, logit_rms, radial_cos},
-    grad_norm (before clipping) and stop: whether any rank passed stopping=True (it rides on the
-    same all-reduce, so every rank stops at the same step), all read from the device in one
-    .tolist(), the step's only host sync. SystemExit on a non-finite loss, before the optimizer
+    grad_norm (before clipping) and stop: whether any rank's StopSignal `stop` had received a
+    signal when its gradients were complete (it rides on the same all-reduce, so every rank stops
+    at the same step), all read from the device in one .tolist(), the step's only host sync. SystemExit on a non-finite loss, before the optimizer
     step. batches: a Batches (the next step's first micro-batch is built before that sync)."""
     torch.manual_seed(int(np.random.SeedSequence([cfg.seed, it, env.rank]).generate_state(1)[0]))  # dropout
     sums = torch.zeros(8, device=env.dev)
@@ -331,7 +331,7 @@ def train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stoppin
         [p for p in raw_model.parameters() if p.grad is not None],
         cfg.grad_clip if cfg.grad_clip > 0 else float('inf'))
     sums /= cfg.gradient_accumulation_steps
-    sums[6] = float(stopping)
+    sums[6] = float(stop is not None and stop.received is not None)  # read as late as it can be
     if env.ddp:
         torch.distributed.all_reduce(sums)  # SUM: gloo has no AVG
         sums /= env.world
@@ -350,19 +350,28 @@ def train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stoppin
 
 
 @torch.no_grad()
-def estimate_val_loss(fwd_model, raw_model, folder, cfg, env):
-    """Mean cross-entropy over eval_iters fixed random val batches (the same batches every time)."""
+def estimate_val_loss(fwd_model, raw_model, folder, cfg, env, first_batch=None):
+    """Mean cross-entropy over eval_iters fixed random val batches (the same batches every time);
+    a tqdm bar on a terminal. first_batch(seconds): called with the time of one batch, the first
+    (the second when compiled: the first compiles the evaluation's graph; none if there is only one)."""
     collect = raw_model.collect
     raw_model.set_collect(None)  # evaluation never touches the calibration statistics
     fwd_model.eval()
-    losses = []
-    for k in range(cfg.eval_iters):
-        x, y = get_batch(folder, 'val', batch_rng(cfg.seed, 1, k), cfg.batch_size, cfg.block_size, env.dev)
-        with env.autocast:
-            fwd_model(x, y)
-        losses.append(raw_model.last_metrics.ce)
-    fwd_model.train()
-    raw_model.set_collect(collect)
+    losses, timed = [], 1 if env.compile else 0
+    try:
+        for k in tqdm(range(cfg.eval_iters), desc='val loss', leave=False, disable=None if env.master else True):
+            t0 = time.perf_counter()
+            x, y = get_batch(folder, 'val', batch_rng(cfg.seed, 1, k), cfg.batch_size, cfg.block_size, env.dev)
+            with env.autocast:
+                fwd_model(x, y)
+            losses.append(raw_model.last_metrics.ce)
+            if k == timed and first_batch is not None:
+                if env.device_type == 'cuda':
+                    torch.cuda.synchronize()
+                first_batch(time.perf_counter() - t0)
+    finally:  # also when a signal cuts the evaluation short (runs.StopSignal.cut_short)
+        fwd_model.train()
+        raw_model.set_collect(collect)
     return torch.stack(losses).mean().item()
 
 
@@ -436,6 +445,26 @@ def fakeln_events(raw_model, it, cfg, env):
 
 # ---- main -------------------------------------------------------------------------------
 
+def cpu_hint(argv):
+    """For runs.Progress, when a run is long on a CPU: argv's config files with config/cpu.py
+    (the variant at CPU size) and config/smoke.py (every phase in 150 steps) where they are
+    missing, in the order they apply, as the rest of its line; '' when both are given."""
+    files = [a for a in argv if not a.startswith('-') and os.path.isfile(a)]
+    given = {os.path.realpath(f) for f in files}
+    cpu, smoke = (os.path.relpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'config', name))
+                  for name in ('cpu.py', 'smoke.py'))
+
+    def command(*overlays):
+        added = [f for f in overlays if os.path.realpath(f) not in given]
+        return 'python train.py ' + ' '.join(sorted(files + added, key=overlay_rank))
+
+    if os.path.realpath(cpu) not in given:
+        return (f": its configuration is sized for a GPU. The same variant at CPU size (the 1M model on Jane "
+                f"Austen's novels, prepared by python data/text/prepare.py --name=austen): {command(cpu)}; "
+                f"every phase in 150 steps: {command(cpu, smoke)}")
+    return f"; every phase in 150 steps: {command(smoke)}" if os.path.realpath(smoke) not in given else ''
+
+
 def main(argv):
     """Train with the configuration given by argv (see load_config); returns the trained model."""
     cfg, ckpt = run_config(argv)
@@ -484,11 +513,32 @@ def main(argv):
     # ---- the training loop ----
     schedule = (cfg.taper, cfg.gate_warmup_iters, cfg.taper_iters)
     batches = Batches(folder, cfg, env)
+    progress = Progress(cfg, env, folder, cpu_hint(argv) if cfg.init_from == 'scratch' else '')
     train_model = None
     fwd_model.train()
-    with StopSignal() as stop:
+    with StopSignal(talk=env.master) as stop:
+
+        def stopped(when, saved, save=True):
+            """After a signal: a checkpoint of iteration `saved` (save=False: it was just written),
+            one line saying when the run stopped and how it continues, exit 130 (SIGINT) or 143."""
+            if save:
+                checkpoint(saved)
+            if env.master:
+                name = signal.Signals(stop.received or signal.SIGTERM).name
+                print(f"stopped by {name} {when}: saved in {ckpt_path}, which resumes at iteration {saved}; "
+                      f"continue with: {resume_command(cfg.out_dir, env.world)}", file=sys.stderr, flush=True)
+            raise SystemExit(130 if stop.received == signal.SIGINT else 143)
+
+        def evaluate(it):
+            if progress.batch_s is None:  # the first evaluation: nothing printed yet says how long it takes
+                print(f"evaluating at iteration {it}: val loss over {cfg.eval_iters} batches of "
+                      f"{cfg.batch_size} × {cfg.block_size} tokens", flush=True)
+            return estimate_val_loss(fwd_model, raw_model, folder, cfg, env,
+                                     functools.partial(progress.evaluation_batch, it))
+
         while iter_num < cfg.max_iters:
             it = iter_num
+            stop.doing = f'iteration {it}'
             phase, gate = get_phase(it, *schedule), get_gate(it, *schedule)
             lr = get_lr(it, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters)
             if train_model is None or phase != raw_model.phase:
@@ -500,13 +550,22 @@ def main(argv):
             for group in optimizer.param_groups:
                 group['lr'] = lr
 
-            record = {}
+            record, cut = {}, False
             if it % cfg.eval_interval == 0 and env.master:
-                record['val_loss'] = estimate_val_loss(fwd_model, raw_model, folder, cfg, env)
+                val, cut = stop.cut_short(f'the evaluation at iteration {it}', evaluate, it)
+                if not cut:  # cut short: the step's checkpoint does not need it
+                    record['val_loss'] = val
                 checkpoint(it)
+            if cut and not env.ddp:
+                stopped(f'during the evaluation at iteration {it}', it, save=False)
 
+            stop.doing = f'iteration {it}'  # again: after an evaluation
             t0 = time.perf_counter()
-            stats = train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stop.received is not None)
+            stats = train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stop)
+            if cut:  # under DDP the step told the other ranks; its result is not kept
+                stopped(f'during the evaluation at iteration {it}', it, save=False)
+            if env.ddp:  # a signal from here on rides on the next step's all-reduce: that step is the last
+                stop.doing = f'iteration {it + 1}' if it + 1 < cfg.max_iters else 'the final checkpoint'
             if phase == 'warmup' and cfg.calibration == 'ema':
                 raw_model.calibration_step()
             if cfg.norm_removal == 'fakeln':
@@ -515,6 +574,7 @@ def main(argv):
             if logged and env.device_type == 'cuda':
                 torch.cuda.synchronize()  # on logged steps only: step_ms then includes the optimizer step
             dt_s = time.perf_counter() - t0
+            progress.step(it, dt_s)
 
             if logged:
                 scale = raw_model.last_metrics.final_scale_rms
@@ -523,25 +583,39 @@ def main(argv):
                          grad_norm=stats['grad_norm'], step_ms=1000 * dt_s, tokens_per_s=tokens_per_iter / dt_s),
                     cfg, env)
             if phase == 'warmup' and it == cfg.gate_warmup_iters - 1:
+                if not env.ddp:
+                    stop.doing = f'the calibrate event after iteration {it}'
                 log({'event': 'calibrate', 'iter': it, **calibrate_event(fwd_model, raw_model, folder, cfg, env)},
                     cfg, env)
             iter_num += 1
-            if stats['stop']:  # Ctrl-C / SIGTERM on any rank: keep every finished step
-                checkpoint(iter_num)
-                if env.master:
-                    print(f"stopped by {signal.Signals(stop.received or signal.SIGTERM).name} after iteration "
-                          f"{it}: saved in {ckpt_path}, which resumes at iteration {iter_num}; continue with: "
-                          f"python train.py --init_from=resume --out_dir={cfg.out_dir}", file=sys.stderr)
-                raise SystemExit(130 if stop.received == signal.SIGINT else 143)
+            # a signal during this step (or after it, alone: under DDP the ranks agree through the step's all-reduce)
+            if stats['stop'] if env.ddp else stop.received is not None:
+                stopped(f'after iteration {it}', iter_num)  # keep every finished step
 
-    # the state after the last step belongs to iteration max_iters: linear, g = 0 when tapering
-    raw_model.set_phase(get_phase(iter_num, *schedule))
-    raw_model.set_gate(get_gate(iter_num, *schedule))
-    fakeln_events(raw_model, iter_num, cfg, env)
-    checkpoint(iter_num)
-    final_val, final_train = final_losses(raw_model, folder, cfg, env)
-    log({'iter': iter_num, 'phase': raw_model.phase, 'final_val_loss': final_val, 'final_train_loss': final_train,
-         'device': env.dev, 'dtype': env.dtype, 'tf32': env.tf32}, cfg, env)
+        # the state after the last step belongs to iteration max_iters: linear, g = 0 when tapering
+        raw_model.set_phase(get_phase(iter_num, *schedule))
+        raw_model.set_gate(get_gate(iter_num, *schedule))
+        fakeln_events(raw_model, iter_num, cfg, env)
+        stop.doing = 'the final checkpoint'
+        checkpoint(iter_num)
+        if stop.received is not None:
+            stopped('after the last iteration', iter_num, save=False)
+        if env.master:
+            print(f"final losses: the whole val split and as many train windows, {progress.final_batches} batches of "
+                  f"{cfg.batch_size} × {cfg.block_size} tokens", flush=True)
+        # under DDP the ranks must agree on their all-reduces: the final losses run to the end there
+        stop.doing = 'the final losses'
+        losses, cut = ((final_losses(raw_model, folder, cfg, env), False) if env.ddp else
+                       stop.cut_short('the final losses', final_losses, raw_model, folder, cfg, env))
+        if cut:
+            stopped('during the final losses', iter_num, save=False)
+        log({'iter': iter_num, 'phase': raw_model.phase, 'final_val_loss': losses[0], 'final_train_loss': losses[1],
+             'device': env.dev, 'dtype': env.dtype, 'tf32': env.tf32}, cfg, env)
+        if stop.received is not None:  # after the final losses (DDP): the run is complete
+            if env.master:
+                print(f"stopped by {signal.Signals(stop.received).name} after the final losses: the run in "
+                      f"{cfg.out_dir} is complete", file=sys.stderr, flush=True)
+            raise SystemExit(130 if stop.received == signal.SIGINT else 143)
     del train_model  # under DDP its reducer holds the process group: free it before the group goes
     end_processes(env)
     return raw_model

@@ -4,7 +4,7 @@
 #   python train.py config/tinystories_internal_taper.py config/cpu.py
 # It keeps their taper / aux_weight and scales everything else down.
 
-_overlay = True         # configurator: a base config given after this file is an error
+_overlay = 1            # configurator: after the base config, before config/smoke.py; other orders are refused
 
 dataset = 'austen'       # ~0.94M training tokens, 10k compact vocabulary (99.3 % kept)
 device = 'cpu'

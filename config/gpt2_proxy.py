@@ -8,7 +8,7 @@
 # Only the size changes: the learning rate, W = 25, T = 100, FakeLN's removals every 30 steps and
 # the 300 steps are the GPU configs' own.
 
-_overlay = True         # configurator: a base config given after this file is an error
+_overlay = 1            # configurator: after the base config (a base config given after it is refused)
 
 init_from = 'study/gpt2proxy-pretrain/hf'
 dataset = 'austen_gpt2'  # Jane Austen's novels, full GPT-2 vocabulary: another domain than the pretraining

@@ -44,24 +44,16 @@ PIECE_CHARS = 1 << 20    # longer documents are encoded in pieces of about this 
 CHUNK_TOKENS = 1 << 23   # tokens per read in the counting and remapping passes (16 MB)
 
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
-# ../shared/tiktoken_cache next to the repo holds tiktoken's own gpt2 files for offline machines
-SHARED_TIKTOKEN_CACHE = os.path.join(os.path.dirname(os.path.dirname(DATA_DIR)), "shared",
-                                     "tiktoken_cache")
 
 _encoder = None
 
 
 def get_encoder():
-    """The tiktoken "gpt2" Encoding, loaded once per process.
-
-    If TIKTOKEN_CACHE_DIR is unset and ../shared/tiktoken_cache exists next to the repo, that
-    folder is used, so the prepare commands work offline as written. SystemExit if tiktoken
-    cannot load the encoding (offline without a cache).
+    """The tiktoken "gpt2" Encoding, loaded once per process (offline: from TIKTOKEN_CACHE_DIR).
+    SystemExit if tiktoken cannot load the encoding (offline without a cache).
     """
     global _encoder
     if _encoder is None:
-        if "TIKTOKEN_CACHE_DIR" not in os.environ and os.path.isdir(SHARED_TIKTOKEN_CACHE):
-            os.environ["TIKTOKEN_CACHE_DIR"] = SHARED_TIKTOKEN_CACHE
         import tiktoken
         try:
             _encoder = tiktoken.get_encoding("gpt2")
@@ -69,7 +61,8 @@ def get_encoder():
             raise SystemExit(
                 f"could not load the GPT-2 BPE from tiktoken ({type(e).__name__}: {e}).\n"
                 "Offline, point TIKTOKEN_CACHE_DIR at a folder holding tiktoken's cached gpt2 "
-                "files, e.g.\n  export TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache")
+                "files (copied from a machine with a network, where tiktoken cached them), e.g.\n"
+                "  export TIKTOKEN_CACHE_DIR=$HOME/tiktoken_cache")
     return _encoder
 
 

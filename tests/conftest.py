@@ -1,5 +1,4 @@
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -13,10 +12,7 @@ sys.path.insert(0, str(ROOT))
 # the tests' models are tiny: one thread is faster, and immune to a busy second core
 torch.set_num_threads(1)
 
-# tiktoken offline: the shared cache beside the repository, when there is one
-_cache = ROOT.parent / 'shared' / 'tiktoken_cache'
-if _cache.is_dir():
-    os.environ.setdefault('TIKTOKEN_CACHE_DIR', str(_cache))
+# tiktoken offline: TIKTOKEN_CACHE_DIR, set by whoever runs the tests (README, Install and test)
 
 
 @pytest.fixture

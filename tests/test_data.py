@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_CACHE = REPO.parent / "shared" / "tiktoken_cache"
 sys.path.insert(0, str(REPO / "data"))
 import common  # noqa: E402
 
@@ -37,12 +36,6 @@ def load_script(name, path):
 
 text_prepare = load_script("text_prepare", REPO / "data" / "text" / "prepare.py")
 ts_prepare = load_script("tinystories_prepare", REPO / "data" / "tinystories" / "prepare.py")
-
-
-@pytest.fixture(autouse=True)
-def tiktoken_cache(monkeypatch):
-    if "TIKTOKEN_CACHE_DIR" not in os.environ and SHARED_CACHE.is_dir():
-        monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(SHARED_CACHE))
 
 
 @pytest.fixture
@@ -206,7 +199,7 @@ def test_text_several_files_each_split_at_its_own_end(tmp_path, enc):
 
 
 def test_text_form_feed_lines_make_documents_and_val_is_cut_between_them(tmp_path):
-    # a manual's layout (../shared/corpora's docs_*.txt): each page, then a line holding only \f
+    # a manual's layout (a text dump of man pages): each page, then a line holding only \f
     pages = [make_corpus(30, seed=i) for i in range(21)]  # 21 pages of about equal size
     f = tmp_path / "manual.txt"
     f.write_text("".join(p + "\f\n" for p in pages))
@@ -236,9 +229,7 @@ def test_text_default_out_dir_is_data_name(tmp_path, monkeypatch):
 def test_text_script_runs_from_another_cwd(tmp_path):
     f = tmp_path / "c.txt"
     f.write_text(make_corpus())
-    env = dict(os.environ)
-    if SHARED_CACHE.is_dir():
-        env.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED_CACHE))
+    env = dict(os.environ)  # offline: TIKTOKEN_CACHE_DIR, as the test run has it
     r = subprocess.run([sys.executable, str(REPO / "data" / "text" / "prepare.py"), "--input",
                         "c.txt", "--out_dir=o", "--vocab_size=100"],
                        cwd=tmp_path, env=env, capture_output=True, text=True)
@@ -598,9 +589,7 @@ def test_text_default_out_dir_is_the_repos_data_folder_from_another_cwd(tmp_path
     name = f"_test_cwd_{uuid.uuid4().hex[:12]}"
     out = REPO / "data" / name
     (tmp_path / "c.txt").write_text(make_corpus())
-    env = dict(os.environ)
-    if SHARED_CACHE.is_dir():
-        env.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED_CACHE))
+    env = dict(os.environ)  # offline: TIKTOKEN_CACHE_DIR, as the test run has it
     try:
         r = subprocess.run([sys.executable, str(REPO / "data" / "text" / "prepare.py"),
                             f"--name={name}", "--input=c.txt", "--vocab_size=100"],

@@ -1,8 +1,8 @@
 """The GPT-2 family (docs/method.md §7): pretrained weights in and out through transformers, the
 FakeLN baseline, the OpenWebText / Pile prepare scripts, the fine-tuning configs.
 
-The loader and export tests need Hugging Face transformers (optional; CI installs only
-requirements.txt) and skip without it; they build a tiny random GPT-2 with transformers itself,
+The loader and export tests need Hugging Face transformers (optional for users; CI installs it
+from requirements-dev.txt) and skip without it; they build a tiny random GPT-2 with transformers itself,
 offline. FakeLN and the data tests need nothing beyond requirements.txt.
 """
 
@@ -36,8 +36,8 @@ import common  # noqa: E402
 
 needs_transformers = pytest.mark.skipif(
     importlib.util.find_spec('transformers') is None,
-    reason='Hugging Face transformers is not installed (optional: pip install transformers; '
-           'CI installs only requirements.txt)')
+    reason='Hugging Face transformers is not installed (optional: pip install transformers, or '
+           'pip install -r requirements-dev.txt as CI does)')
 
 
 def toy_args(data_dir, out_dir, **overrides):

@@ -3,16 +3,20 @@ signals, bad data and bad input that end in one line instead of a traceback."""
 
 import fcntl
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 import configurator
+import runs
 import train
 from runs import load_checkpoint, load_model
 from test_train import read_log, toy_args
@@ -68,7 +72,8 @@ def wait_for_records(out, n, proc, timeout=120):
 
 @pytest.mark.parametrize('how', ['SIGINT', 'SIGTERM', 'SIGKILL'])
 def test_interrupted_and_resumed_run_logs_exactly_one_uninterrupted_run(toy_data, tmp_path, how):
-    """Ctrl-C / SIGTERM: a checkpoint of the last finished step, one line, exit non-zero; kill -9:
+    """Ctrl-C / SIGTERM: at once a line naming the step it finishes, then a checkpoint of that step
+    (the step in progress is the last), one line, exit non-zero; kill -9:
     the last evaluation's checkpoint and no stale lock. Resumed either way, log.jsonl equals an
     uninterrupted run's line by line (timing fields aside)."""
     args = dict(max_iters=60, eval_interval=20, gate_warmup_iters=10, taper_iters=20, lr_decay_iters=60)
@@ -84,14 +89,263 @@ def test_interrupted_and_resumed_run_logs_exactly_one_uninterrupted_run(toy_data
         assert proc.returncode == -signal.SIGKILL
     else:
         assert proc.returncode == (130 if how == 'SIGINT' else 143)
-        assert 'Traceback' not in stderr and len(stderr.strip().splitlines()) == 1, stderr
+        assert 'Traceback' not in stderr and len(stderr.strip().splitlines()) == 2, stderr
         last = max(r['iter'] for r in read_log(out) if 'loss' in r)
-        assert f"stopped by {how} after iteration {last}" in stderr
+        said, stopped = stderr.strip().splitlines()
+        assert said == f"{how}: finishing iteration {last}, then saving and stopping (Ctrl-C again stops at once, " \
+                       "without saving)"
+        assert stopped.startswith(f"stopped by {how} after iteration {last}: ")
         assert f"continue with: python train.py --init_from=resume --out_dir={out}" in stderr
         assert load_checkpoint(str(out / 'ckpt.pt'))['iter_num'] == last + 1  # nothing finished is lost
     assert read_log(out)[-1]['iter'] < 59  # really interrupted
     train.main([f'--out_dir={out}', '--init_from=resume'])
     assert without_timing(read_log(out)) == without_timing(read_log(straight))
+
+
+def signal_at(monkeypatch, module, name, when, signum):
+    """Patch module.name so that the first call for which when(*args) is true first sends signum
+    to this process, once (its handler runs as soon as the call returns)."""
+    real, sent = getattr(module, name), []
+
+    def patched(*args, **kw):
+        if not sent and when(*args):
+            sent.append(signum)
+            os.kill(os.getpid(), signum)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, name, patched)
+
+
+@pytest.fixture
+def no_default_sigterm():
+    """A SIGTERM that train.py does not handle fails the test instead of ending pytest."""
+    def unhandled(signum, frame):
+        raise AssertionError('SIGTERM reached the default handler: the process would have died without a word')
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize('where', ['during the step', 'after the step'])
+def test_a_signal_stops_after_the_step_in_progress(toy_data, tmp_path, monkeypatch, capfd, where, no_default_sigterm):
+    """SIGTERM while iteration 6 runs (its second micro-batch being read, or its record being
+    logged): iteration 6 is the last, saved, and resumes at 7."""
+    out = tmp_path / 'run'
+    if where == 'during the step':
+        signal_at(monkeypatch, train, 'train_batch', lambda f, c, e, it, micro: (it, micro) == (6, 1), signal.SIGTERM)
+    else:
+        signal_at(monkeypatch, train, 'log', lambda r, c, e: r.get('iter') == 6 and 'loss' in r, signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        train.main(toy_args(toy_data, out))
+    assert e.value.code == 143
+    del e  # its traceback holds the run's lock file open
+    assert load_checkpoint(str(out / 'ckpt.pt'))['iter_num'] == 7
+    assert max(r['iter'] for r in read_log(out)) == 6
+    err = capfd.readouterr().err
+    assert 'SIGTERM: finishing iteration 6, then saving' in err
+    assert 'stopped by SIGTERM after iteration 6: saved in' in err and 'resumes at iteration 7' in err
+
+
+def test_a_signal_during_an_evaluation_cuts_it_short_and_saves_the_step_before_it(toy_data, tmp_path, monkeypatch,
+                                                                                  capfd):
+    """Ctrl-C while the evaluation at iteration 8 reads its second of 5 batches: no batch after it is
+    read, iteration 8 does not run, the checkpoint resumes at 8, and the resumed run logs what an
+    uninterrupted one does."""
+    args = toy_args(toy_data, tmp_path / 'straight', eval_iters=5)
+    train.main(args)
+    read = []
+    real_get_batch = train.get_batch
+
+    def get_batch(folder, split, *rest):
+        if split == 'val':
+            read.append(len(read))
+            if len(read) == 2 * 5 + 2:  # evaluations at 0 and 4, then the second batch at 8
+                os.kill(os.getpid(), signal.SIGINT)
+        return real_get_batch(folder, split, *rest)
+
+    monkeypatch.setattr(train, 'get_batch', get_batch)
+    out = tmp_path / 'cut'
+    with pytest.raises(SystemExit) as e:
+        train.main(toy_args(toy_data, out, eval_iters=5))
+    assert e.value.code == 130
+    del e  # its traceback holds the run's lock file open
+    assert len(read) == 12  # cut at once: the batch being read was not evaluated, none after it was read
+    assert load_checkpoint(str(out / 'ckpt.pt'))['iter_num'] == 8
+    assert max(r['iter'] for r in read_log(out)) == 7
+    err = capfd.readouterr().err
+    assert 'SIGINT: cutting the evaluation at iteration 8 short, then saving and stopping' in err
+    assert (f"stopped by SIGINT during the evaluation at iteration 8: saved in {out / 'ckpt.pt'}, which resumes at "
+            f"iteration 8; continue with: python train.py --init_from=resume --out_dir={out}") in err
+    assert 'Traceback' not in err
+    monkeypatch.setattr(train, 'get_batch', real_get_batch)
+    train.main([f'--out_dir={out}', '--init_from=resume'])
+    assert without_timing(read_log(out)) == without_timing(read_log(tmp_path / 'straight'))
+
+
+@pytest.mark.parametrize('where', ['the final save', 'the final losses'])
+def test_a_signal_after_the_loop_exits_143_with_its_line(toy_data, tmp_path, monkeypatch, capfd, where,
+                                                         no_default_sigterm):
+    """SIGTERM while the last checkpoint is written, or while the final losses run: exit 143 with
+    one line; the checkpoint of the last iteration is whole, and its resume logs the final losses."""
+    out = tmp_path / 'run'
+    if where == 'the final save':
+        signal_at(monkeypatch, train, 'save_checkpoint', lambda obj, path: obj['iter_num'] == 16, signal.SIGTERM)
+    else:
+        signal_at(monkeypatch, runs, 'windows', lambda *a: True, signal.SIGTERM)  # mean_ce's batches only
+    with pytest.raises(SystemExit) as e:
+        train.main(toy_args(toy_data, out))
+    assert e.value.code == 143
+    del e  # its traceback holds the run's lock file open
+    assert load_checkpoint(str(out / 'ckpt.pt'))['iter_num'] == 16
+    assert not (out / 'ckpt.pt.tmp').exists()
+    assert not any('final_val_loss' in r for r in read_log(out))
+    err = capfd.readouterr().err
+    when = 'after the last iteration' if where == 'the final save' else 'during the final losses'
+    assert f"stopped by SIGTERM {when}: saved in {out / 'ckpt.pt'}, which resumes at iteration 16" in err
+    monkeypatch.undo()
+    train.main([f'--out_dir={out}', '--init_from=resume'])
+    assert 'final_val_loss' in read_log(out)[-1]
+
+
+def test_the_resume_line_of_a_torchrun_run_is_a_torchrun_command(toy_data, tmp_path, monkeypatch, capfd):
+    """A run of 2 processes (rank 0's view; its all-reduces are not what this checks) stopped by a
+    signal says how to resume it on 2 processes, as the resume check demands."""
+    real_setup = train.setup
+    monkeypatch.setattr(train, 'setup', lambda cfg: SimpleNamespace(**{**vars(real_setup(cfg)), 'world': 2}))
+    signal_at(monkeypatch, train, 'train_batch', lambda f, c, e, it, micro: it == 2, signal.SIGINT)
+    out = tmp_path / 'run'
+    with pytest.raises(SystemExit):
+        train.main(toy_args(toy_data, out))
+    assert (f"continue with: torchrun --standalone --nproc_per_node=2 train.py --init_from=resume --out_dir={out}"
+            in capfd.readouterr().err)
+
+
+def test_a_run_removes_stale_temp_files_from_its_folder(toy_data, tmp_path):
+    """A process killed between writing a temp file and renaming it leaves the temp file behind;
+    the next run in that folder removes it."""
+    out = tmp_path / 'run'
+    train.main(toy_args(toy_data, out, max_iters=12))
+    for name in ('log.jsonl.tmp', 'ckpt.pt.tmp'):
+        (out / name).write_text('left by a killed process')
+    train.main(toy_args(toy_data, out, max_iters=12, overwrite=True))
+    assert not (out / 'log.jsonl.tmp').exists() and not (out / 'ckpt.pt.tmp').exists()
+
+
+def read_lines(stream):
+    """A queue filled with stream's lines by a thread: a test can wait for one without blocking."""
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
+    return lines
+
+
+def wait_for_line(lines, text, proc, timeout=120):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        try:
+            line = lines.get(timeout=0.1)
+        except queue.Empty:
+            assert proc.poll() is None, proc.returncode
+            continue
+        if text in line:
+            return line
+    raise AssertionError(f'no line with {text!r}')
+
+
+@pytest.fixture
+def started():
+    """run_train(args), each process it started killed when the test ends: a run that did not stop
+    must not outlive its test."""
+    procs = []
+    yield lambda args: procs.append(run_train(args)) or procs[-1]
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_ctrl_c_during_an_evaluation_is_answered_and_cuts_it_short(toy_data, tmp_path, started):
+    """A real Ctrl-C in an evaluation of a million batches: one line at once, then the checkpoint
+    of the step before it, one line, exit 130, no traceback."""
+    out = tmp_path / 'run'
+    proc = started(toy_args(toy_data, out, eval_iters=10 ** 6))
+    wait_for_line(read_lines(proc.stdout), 'evaluating at iteration 0: val loss over 1000000 batches', proc)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert stderr.splitlines() == [
+        'SIGINT: cutting the evaluation at iteration 0 short, then saving and stopping (Ctrl-C again stops at once, '
+        'without saving)',
+        f"stopped by SIGINT during the evaluation at iteration 0: saved in {out / 'ckpt.pt'}, which resumes at "
+        f"iteration 0; continue with: python train.py --init_from=resume --out_dir={out}"]
+    assert load_checkpoint(str(out / 'ckpt.pt'))['iter_num'] == 0
+
+
+def test_a_second_ctrl_c_stops_at_once_without_saving_in_one_line(toy_data, tmp_path, started):
+    """Ctrl-C in a long training step: the step would finish and be saved; a second Ctrl-C ends the
+    process at once, with one more line and no traceback, and the folder keeps the checkpoint
+    written before that step."""
+    out = tmp_path / 'run'
+    proc = started(toy_args(toy_data, out, eval_iters=1, gradient_accumulation_steps=5000))
+    wait_for_line(read_lines(proc.stdout), 'estimate:', proc)  # printed in the first evaluation's only batch
+    time.sleep(1)  # the evaluation is over: step 0, 5000 micro-batches, runs
+    errors = read_lines(proc.stderr)
+    proc.send_signal(signal.SIGINT)
+    wait_for_line(errors, 'SIGINT: finishing iteration 0, then saving and stopping', proc)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    rest = []
+    while True:
+        try:
+            rest.append(errors.get(timeout=2))
+        except queue.Empty:
+            break
+    assert rest == ['second SIGINT: stopped at once, without saving; the run folder keeps its last checkpoint\n']
+    assert load_checkpoint(str(out / 'ckpt.pt'))['iter_num'] == 0
+    assert not (out / 'log.jsonl').exists() or not read_log(out)
+
+
+# ---- progress: the estimate and the CPU warning --------------------------------------------------
+
+def test_the_estimate_counts_the_steps_and_forward_batches_left(tmp_path, capsys, monkeypatch):
+    """toy_args' schedule: 16 steps, 2 micro-batches each, evaluations of 2 batches at 0, 4, 8, 12,
+    calibrate ('end': 8 + 8 batches) after step 3, final losses over a val split of 2,800 tokens:
+    174 windows of 16, 44 batches of 4, twice. Worked by hand below."""
+    (tmp_path / 'val.bin').write_bytes(b'\0\0' * 2800)
+    cfg = train.load_config(toy_args(tmp_path, tmp_path / 'run'))
+    monkeypatch.setattr(runs, 'CPU_LONG_S', 400)
+    p = runs.Progress(cfg, SimpleNamespace(world=1, master=True, device_type='cpu'), str(tmp_path),
+                      hint='; HINT')
+    p.evaluation_batch(0, 2.0)  # a step taken as 3 × 2 batches: 12 s; batches left 4 × 2 − 1 + 16 + 88 = 111
+    assert capsys.readouterr().out.splitlines() == [  # 16 × 12 + 111 × 2 = 414 s
+        'estimate: 7 min left: 16 steps at 12 s and 111 forward batches (evaluations, calibration, final losses) '
+        'at 2 s, from the first evaluation batch',
+        'this run takes about 7 min on this CPU; HINT']
+    p.evaluation_batch(4, 9.0)  # only the first batch timed counts
+    for it, seconds in enumerate((100.0, 4.0, 6.0)):  # the first step is left out: (4 + 6) / 2 = 5 s
+        p.step(it, seconds)
+    assert capsys.readouterr().out.splitlines() == [  # 13 × 5 + (3 × 2 + 16 + 88) × 2 = 285 s, below 400: no warning
+        'estimate: 5 min left: 13 steps at 5 s and 110 forward batches (evaluations, calibration, final losses) '
+        'at 2 s, from iterations 1–2']
+
+
+def test_a_long_run_on_a_cpu_says_so_in_its_first_evaluation_with_the_cpu_sized_command(toy_data, tmp_path, capsys,
+                                                                                        monkeypatch):
+    monkeypatch.setattr(runs, 'CPU_LONG_S', 0)  # every run is long: the toy run shows where the lines come
+    train.main(toy_args(toy_data, tmp_path / 'run'))
+    out = capsys.readouterr().out.splitlines()
+    first = [next(i for i, line in enumerate(out) if line.startswith(text))
+             for text in ('evaluating at iteration 0: val loss over 2 batches of 4 × 16 tokens', 'estimate: ',
+                          'this run takes about ', 'iter      0 ')]
+    assert first == sorted(first)  # all before the first step's record: during the first evaluation
+    assert sum(line.startswith('this run takes about') for line in out) == 1
+    hint = train.cpu_hint(['config/tinystories_all_taper.py', '--seed=2'])
+    assert ': python train.py config/tinystories_all_taper.py config/cpu.py;' in hint
+    assert ': python train.py config/tinystories_all_taper.py config/cpu.py config/smoke.py' in hint
+    assert train.cpu_hint(['config/tinystories_all_taper.py', 'config/cpu.py']) == \
+        '; every phase in 150 steps: python train.py config/tinystories_all_taper.py config/cpu.py config/smoke.py'
+    assert train.cpu_hint(['config/tinystories_all_taper.py', 'config/cpu.py', 'config/smoke.py']) == ''
+    monkeypatch.setattr(runs, 'CPU_LONG_S', 3600)
+    train.main(toy_args(toy_data, tmp_path / 'short'))
+    assert 'this run takes about' not in capsys.readouterr().out
 
 
 # ---- data --------------------------------------------------------------------------------
@@ -188,6 +442,23 @@ def test_compile_without_a_cxx_compiler_is_one_line():
 def test_misleading_inputs_get_the_message_the_user_needs(args, message):
     with pytest.raises(SystemExit, match=message.replace('?', r'\?').replace('.', r'\.')):
         train.load_config(args)
+
+
+@pytest.mark.parametrize('given', [
+    ['config/tinystories_all_taper.py', 'config/smoke.py', 'config/cpu.py'],
+    ['config/smoke.py', 'config/tinystories_all_taper.py', 'config/cpu.py'],
+    ['config/cpu.py', 'config/smoke.py', '--seed=3', 'config/tinystories_all_taper.py'],
+])
+def test_overlays_out_of_order_are_refused_with_every_argument_in_the_order_that_works(given):
+    with pytest.raises(SystemExit, match=r'^config error: .*comes after (the overlay )?config/(cpu|smoke)\.py.*: '
+                                         'give base configs first') as e:
+        train.load_config(given)
+    fixed = str(e.value).rsplit(': ', 1)[1].split()
+    assert sorted(fixed) == sorted(given)  # every argument given, none dropped
+    assert fixed[:3] == ['config/tinystories_all_taper.py', 'config/cpu.py', 'config/smoke.py']
+    cfg = train.load_config(fixed)  # the suggestion runs: every phase in 150 steps, in the smoke folder
+    assert (cfg.max_iters, cfg.gate_warmup_iters, cfg.taper_iters, cfg.out_dir) == \
+        (150, 15, 75, 'out-smoke-austen-all-aux0.1')
 
 
 def test_the_smoke_overlay_crosses_every_phase_and_no_example_keeps_a_longer_schedule():

@@ -309,7 +309,7 @@ def test_resume_on_another_number_of_processes_is_refused(toy_data, tmp_path):
     ckpt.update(iter_num=6, world=2)  # as if stopped halfway under torchrun --nproc_per_node=2
     torch.save(ckpt, out / 'ckpt.pt')
     with pytest.raises(SystemExit, match=r'trained on 2 process\(es\), this run has 1: .* resume it on 2 '
-                                         r'\(torchrun --nproc_per_node=2 train.py --init_from=resume'):
+                                         r'\(torchrun --standalone --nproc_per_node=2 train.py --init_from=resume'):
         train.main([f'--out_dir={out}', '--init_from=resume'])
     del ckpt['world']  # a checkpoint from before the key: not refused
     torch.save(ckpt, out / 'ckpt.pt')
@@ -489,7 +489,14 @@ def test_a_compiled_run_compiles_each_version_of_the_forward_once_and_stays_comp
     counter, real_compile = CompileCounter(), torch.compile
     monkeypatch.setattr(torch, 'compile', lambda model, **kw: real_compile(model, backend=counter, **kw))
     monkeypatch.setattr(train, 'check_compiler', lambda device: None)  # its probe would count too
+    # the first estimate times an evaluation batch that compiles nothing: the second
+    events, real_get_batch, real_timed = [], train.get_batch, runs.Progress.evaluation_batch
+    monkeypatch.setattr(train, 'get_batch', lambda folder, split, *a: events.append(split) or
+                        real_get_batch(folder, split, *a))
+    monkeypatch.setattr(runs.Progress, 'evaluation_batch', lambda self, it, s: events.append('timed') or
+                        real_timed(self, it, s))
     train.main(toy_args(toy_data, tmp_path / 'run', compile=True, dropout=0.0, **variant))
+    assert events[:3] == ['val', 'val', 'timed']
     assert counter.frame_count == expected
     assert expected <= runs.RECOMPILE_LIMIT
     torch._dynamo.reset()
