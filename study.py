@@ -24,6 +24,7 @@ import itertools
 import json
 import math
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -42,6 +43,7 @@ matrix = 'main'             # a key of MATRICES
 study_dir = 'study'         # one folder per cell below it, and results.json
 jobs = 2                    # cells trained at once
 threads = 1                 # OMP_NUM_THREADS of each cell
+cpu_isa = 'avx2'            # CPU cells' kernels pinned to AVX2 (cpu_pins), so that x86-64 machines of any kind reproduce a cell; '': each follows its machine
 run = True                  # train the cells that are not finished
 table = True                # print the tables of the matrix's finished cells
 only = ''                   # run and report only these cells of the matrix (comma-separated names)
@@ -333,9 +335,24 @@ def close_segment(out_dir):
     return dict(wall_s=sum(known), segments=len(segments), **({'wall_s_partial': True} if len(known) < len(segments) else {}))
 
 
-def run_cell(name, args, out_dir, results, threads):
+def cpu_pins(isa):
+    """The environment that pins a CPU run's kernels to the instruction set isa ('avx2'; '': none):
+    torch's own (ATEN_CPU_CAPABILITY), MKL's matrix products (MKL_CBWR) and oneDNN's
+    (ONEDNN_MAX_CPU_ISA). Unpinned, each follows the machine, so the same cell rounds differently on
+    an AVX2 and an AVX512 host and training amplifies it (docs/results.md, the machine effect).
+    Measured: a cell rerun pinned on an AMD AVX512 host ended where the same cell unpinned on an
+    AVX2 host did (4.529511), and 0.30 % away from that host's own unpinned rerun. Off x86-64
+    there is nothing to pin ({}). ValueError for an isa other than those."""
+    if isa not in ('', 'avx2'):
+        raise ValueError(f"cpu_isa={isa!r}: use 'avx2' (every x86-64 CPU this study runs on has it) or '' (unpinned)")
+    if not isa or platform.machine() not in ('x86_64', 'AMD64'):
+        return {}
+    return dict(ATEN_CPU_CAPABILITY=isa, MKL_CBWR=isa.upper(), ONEDNN_MAX_CPU_ISA=isa.upper())
+
+
+def run_cell(name, args, out_dir, results, threads, isa=''):
     """Train one cell to its end (or its divergence) and record it, its wall time summed over every
-    train.py run it took (open_segment). Returns its status."""
+    train.py run it took (open_segment), its kernels pinned to isa (cpu_pins). Returns its status."""
     records = read_log(out_dir)
     if any('final_val_loss' in r for r in records):
         status = 'finished'
@@ -350,7 +367,7 @@ def run_cell(name, args, out_dir, results, threads):
         # its progress, the run's own estimate included, is in train.out: say where
         print(f"{name}: {'resuming' if resume else 'starting'} (progress: tail -f {out_dir}/train.out)", flush=True)
         open_segment(out_dir)
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), **cpu_pins(isa))
         with open(os.path.join(out_dir, 'train.out'), 'a') as out:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
         wall = close_segment(out_dir)
@@ -363,11 +380,11 @@ def run_cell(name, args, out_dir, results, threads):
                 return 'failed'
             it = int(tail.rsplit('at iteration ', 1)[1].split(';')[0])
             results.put(name, dict(status='diverged', diverged_at=it, args=args, data=data_of(args),
-                                   **provenance(wall, threads, args)))
+                                   **provenance(wall, threads, args, isa)))
             print(f"{name}: diverged at iteration {it}", flush=True)
             return 'diverged'
         records, status = read_log(out_dir), 'finished'
-        results.put(name, dict(status=status, args=args, data=data_of(args), **provenance(wall, threads, args),
+        results.put(name, dict(status=status, args=args, data=data_of(args), **provenance(wall, threads, args, isa),
                                **summarize(records)))
         print(f"{name}: final_val_loss {results.data['cells'][name]['final_val_loss']:.4f} "
               f"({wall['wall_s'] / 60:.1f} min over {wall['segments']} run(s))", flush=True)
@@ -420,16 +437,19 @@ def on_device(cells, device, study_dir):
     return {n: a + [f'--device={device}', '--dtype=float32'] for n, a in cells.items()}
 
 
-def provenance(wall, threads, args):
+def provenance(wall, threads, args, isa=''):
     """Where and with what a cell ran: git commit, torch, threads, the wall-time fields of
     close_segment ({'wall_s': seconds, ...}), device and dtype, and on
     a CPU the instruction set torch's kernels used (AVX2, AVX512, ...): two hosts with the same
     torch can round differently, so a cell rerun elsewhere matches only to within float noise,
-    which training amplifies (docs/results.md, part 3's rerun control)."""
+    which training amplifies (docs/results.md, the machine effect); with the pins of cpu_pins(isa)
+    that set it, where the cell ran pinned."""
     cfg = cell_config(args)
     dev, dtype = resolve_device(cfg['device'], cfg['dtype'])
     where = f"{dev}: {torch.cuda.get_device_name(dev)}" if dev.startswith('cuda') else dev
-    cpu = {} if dev.startswith('cuda') else dict(cpu_capability=torch.backends.cpu.get_cpu_capability())
+    pins = cpu_pins(isa)
+    cpu = {} if dev.startswith('cuda') else dict(
+        cpu_capability=isa.upper() if pins else torch.backends.cpu.get_cpu_capability(), **({'cpu_pins': pins} if pins else {}))
     return dict(git_commit=git_commit(), torch=torch.__version__, threads=threads, **wall,
                 device=where, dtype=dtype, tf32=uses_tf32(dev, dtype), **cpu)
 
@@ -852,7 +872,7 @@ def main(argv):
     if cfg.run:
         with ThreadPoolExecutor(max_workers=cfg.jobs) as pool:
             statuses = list(pool.map(lambda n: run_cell(n, cells[n], os.path.abspath(os.path.join(cfg.study_dir, n)),
-                                                        results, cfg.threads), cells))
+                                                        results, cfg.threads, cfg.cpu_isa), cells))
         if 'failed' in statuses:
             raise SystemExit(f"{statuses.count('failed')} cell(s) failed; fix and rerun the same command")
     if cfg.table or cfg.readme:

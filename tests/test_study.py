@@ -4,6 +4,9 @@ import hashlib
 import json
 import math
 import os
+import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -35,7 +38,8 @@ def test_two_cells_run_skip_resume_and_record_divergence(tiny_matrix, tmp_path, 
     for name, c in cells.items():
         assert c['status'] == 'finished' and c['threads'] == 1 and c['torch'] and 'git_commit' in c
         assert (c['device'], c['dtype']) == ('cpu', 'float32')  # the tiny matrix's --device=cpu, resolved
-        assert c['cpu_capability'] == torch.backends.cpu.get_cpu_capability()  # rounding can differ by host
+        # rounding can differ by host: study.cpu_isa's default pins the kernels (x86-64) or names them
+        assert c['cpu_capability'] == ('AVX2' if study.cpu_pins('avx2') else torch.backends.cpu.get_cpu_capability())
         log = [json.loads(line) for line in open(out / name / 'log.jsonl')]
         assert c['final_val_loss'] == log[-1]['final_val_loss']
         assert c['final_train_loss'] == log[-1]['final_train_loss']
@@ -603,3 +607,31 @@ def test_the_shock_plot_takes_the_logged_loss_apart_into_cross_entropy_and_l_aux
         plot.main([f'--shock={run}:{base}', f'--out={tmp_path / "s.png"}'])
     with pytest.raises(SystemExit, match='BASELINE_DIR:RUN_DIR pairs'):
         plot.main([f'--shock={base}', f'--out={tmp_path / "s.png"}'])
+
+
+@pytest.mark.skipif(platform.machine() not in ('x86_64', 'AMD64'), reason='AVX2 is an x86-64 instruction set')
+def test_cpu_isa_pins_every_cells_kernels_and_the_record_says_so(tiny_matrix, tmp_path, monkeypatch):
+    """--cpu_isa=avx2: each cell's train.py runs with torch's, MKL's and oneDNN's kernels pinned to
+    AVX2 (the environment variables those libraries read), and its record names the pins."""
+    envs, real_run = [], study.subprocess.run
+    monkeypatch.setattr(study.subprocess, 'run', lambda cmd, **kw: (envs.append(kw.get('env')), real_run(cmd, **kw))[1])
+    data = study.main(['--matrix=tiny', '--only=baseline-end-s1', f'--study_dir={tmp_path / "s"}', '--jobs=1',
+                       '--cpu_isa=avx2', '--table=False'])
+    pins = dict(ATEN_CPU_CAPABILITY='avx2', MKL_CBWR='AVX2', ONEDNN_MAX_CPU_ISA='AVX2')
+    (train_env,) = [e for e in envs if e is not None]  # git's rev-parse runs with the driver's own
+    assert {k: train_env.get(k) for k in pins} == pins
+    record = data['cells']['baseline-end-s1']
+    assert record['cpu_capability'] == 'AVX2' and record['cpu_pins'] == pins
+    with pytest.raises(ValueError, match="cpu_isa='avx512'"):
+        study.cpu_pins('avx512')
+    assert study.cpu_pins('') == {}  # unpinned: the machine's own kernels
+
+
+@pytest.mark.skipif(platform.machine() not in ('x86_64', 'AMD64'), reason='AVX2 is an x86-64 instruction set')
+def test_the_pins_reach_torchs_kernel_dispatch():
+    """The pins are what torch reads: a process started with them dispatches to AVX2 kernels
+    (on an AVX512 host, not its own best)."""
+    code = 'import torch; print(torch.backends.cpu.get_cpu_capability())'
+    out = subprocess.run([sys.executable, '-c', code], env=dict(os.environ, **study.cpu_pins('avx2')),
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == 'AVX2'
