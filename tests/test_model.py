@@ -10,7 +10,8 @@ from torch.overrides import TorchFunctionMode
 from torch.testing import assert_close
 
 import train
-from model import CALIB_DECAY, GPT, LADDER, GPTConfig, Norm, TaperNorm, aux_loss, norm_scale
+from model import CALIB_DECAY, GPT, LADDER, GPTConfig, TaperNorm, aux_loss
+from norms import Norm, norm_scale
 
 KINDS = ['rmsnorm', 'layernorm']
 
