@@ -23,7 +23,8 @@ FAKELN_EVENTS = ('ln_2', 'ln_1', 'ln_f', 'first_position')
 # α₀ by position: the DyT paper's initialization for its language models (LLaMA-2 7B, its
 # narrowest LLM: 0.8 before attention, 0.2 before the MLP and at the final norm). The paper finds
 # the best α₀ set mostly by width, larger for narrower models; this repository's models are far
-# narrower than 7B, so these values are the paper's recipe, not a tuned optimum.
+# narrower than 7B, so these values are the paper's recipe, not a tuned optimum. On the quick start
+# neither 5× nor 0.25× these keeps the final DyT from saturating (docs/results.md).
 DYT_ALPHA0 = {'ln_1': 0.8, 'ln_2': 0.2, 'ln_f': 0.2}
 
 
@@ -57,9 +58,9 @@ class DyT(nn.Module):
 
 # train.py's one line, the first time final_dyt_saturated is true
 DYT_SATURATED = ("warning: iteration {it}: the final DyT saturated (|α·h| past float32's tanh' range at every entry "
-                 "of ln_f): no gradient reaches the blocks or the embeddings until it desaturates, which on the "
-                 "quick start it never did at any rate tried (docs/results.md, \"DyT on the quick start\"); "
-                 "compare against norm='rmsnorm'")
+                 "of ln_f): no gradient reaches the blocks or the embeddings until it desaturates. On the quick "
+                 "start DyT with its paper's recipe never recovered, nor trained at a 4x lower rate "
+                 "(docs/results.md, \"DyT on the quick start\"); compare against norm='rmsnorm'")
 
 
 def dyt_embed_scale(config):
