@@ -312,10 +312,11 @@ def build_model(cfg, model_args, ckpt, env):
 def train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stopping=False):
     """One optimizer step over gradient_accumulation_steps micro-batches. Returns the step's
     means over micro-batches and ranks {loss, ce, aux, hidden_rms, logit_rms, radial_cos},
-    grad_norm (before clipping) and stop: whether any rank passed stopping=True (it rides on the
-    same all-reduce, so every rank stops at the same step), all read from the device in one
-    .tolist(), the step's only host sync. SystemExit on a non-finite loss, before the optimizer
-    step. batches: a Batches (the next step's first micro-batch is built before that sync)."""
+    grad_norm (before clipping), dyt_saturated (baselines.final_dyt_saturated) and stop: whether
+    any rank passed stopping=True (it rides on the same all-reduce, so every rank stops at the same
+    step), all read from the device in one .tolist(), the step's only host sync. SystemExit on a
+    non-finite loss, before the optimizer step. batches: a Batches (the next step's first
+    micro-batch is built before that sync)."""
     torch.manual_seed(int(np.random.SeedSequence([cfg.seed, it, env.rank]).generate_state(1)[0]))  # dropout
     sums = torch.zeros(9, device=env.dev)
     for micro in range(cfg.gradient_accumulation_steps):
