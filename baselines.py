@@ -1,6 +1,7 @@
 """
 Norm-removal baselines beside TaperNorm: FakeLN's norms (norm_removal='fakeln', docs/method.md §7)
-and DyT (norm='dyt'). Imported by model.GPT only when a model uses them.
+and DyT (norm='dyt'). model.GPT builds their norms from its config; this file stands on norms.py
+alone, below model.py (the floors: norms.py < baselines.py < model.py).
 
 FakeLN removes the norms of a trained model one kind at a time, each replaced by fixed scalars;
 a removed norm is linear and folds like a linear-phase TaperNorm (fold.py).
@@ -14,12 +15,16 @@ next layer (fold.py and bench.py refuse a DyT checkpoint).
 import torch
 import torch.nn as nn
 
-from model import FAKELN_EVENTS, Norm, all_reduce_sums, norm_input, norm_scale
+from norms import Norm, all_reduce_sums, norm_input, norm_scale
+
+# what FakeLN's removal events remove, in order (docs/method.md §7): event k is due at k · fakeln_interval
+FAKELN_EVENTS = ('ln_2', 'ln_1', 'ln_f', 'first_position')
 
 # α₀ by position: the DyT paper's initialization for its language models (LLaMA-2 7B, its
 # narrowest LLM: 0.8 before attention, 0.2 before the MLP and at the final norm). The paper finds
 # the best α₀ set mostly by width, larger for narrower models; this repository's models are far
-# narrower than 7B, so these values are the paper's recipe, not a tuned optimum.
+# narrower than 7B, so these values are the paper's recipe, not a tuned optimum. On the quick start
+# neither 5× nor 0.25× these keeps the final DyT from saturating (docs/results.md).
 DYT_ALPHA0 = {'ln_1': 0.8, 'ln_2': 0.2, 'ln_f': 0.2}
 
 
@@ -49,6 +54,32 @@ class DyT(nn.Module):
 
     def forward(self, h, gate=None, pos=None):
         return torch.tanh(self.alpha * h) * self.weight + self.bias
+
+
+# train.py's one line, the first time final_dyt_saturated is true
+DYT_SATURATED = ("warning: iteration {it}: the final DyT saturated (|α·h| past float32's tanh' range at every entry "
+                 "of ln_f): no gradient reaches the blocks or the embeddings until it desaturates. On the quick "
+                 "start DyT with its paper's recipe never recovered, nor trained at a 4x lower rate "
+                 "(docs/results.md, \"DyT on the quick start\"); compare against norm='rmsnorm'")
+
+
+def dyt_embed_scale(config):
+    """GPT.embed_scale of a model with this GPTConfig: the DyT paper's learnable scalar on the
+    embeddings, √n_embd at init (0-dim nn.Parameter; see DyT), or None (not a DyT model, or
+    config.dyt_embed_scale=False)."""
+    return nn.Parameter(torch.full((), config.n_embd ** 0.5)) if config.norm == 'dyt' and config.dyt_embed_scale else None
+
+
+def final_dyt_saturated(model):
+    """A 0-dim bool tensor, read after backward and before the optimizer step, without a host sync:
+    True when the final DyT's α got an exactly-zero gradient. ∂L/∂α = Σ tanh'(α·h) h ⊙ γ ⊙ ∂L/∂y is
+    exactly 0 when every entry of every token has |α·h| past float32's tanh' range (about 9): then
+    no gradient reaches the residual stream, so none reaches the blocks or the embeddings
+    (docs/results.md, "DyT on the quick start"). A false tensor for a model without a final DyT."""
+    ln_f = model.transformer.ln_f
+    if not isinstance(ln_f, DyT) or ln_f.alpha.grad is None:
+        return torch.zeros((), dtype=torch.bool, device=model.gate.device)
+    return ln_f.alpha.grad == 0
 
 
 class FakeNorm(Norm):
@@ -107,7 +138,6 @@ class FakeNorm(Norm):
 def fakenorms(model, kind=None):
     """(name, FakeNorm) pairs, e.g. ('h.0.ln_2', ...), in forward order; kind: 'ln_1', 'ln_2',
     'ln_f' or None for all."""
-    from baselines import FakeNorm
     return [(n.removeprefix('transformer.'), m) for n, m in model.named_modules()
             if isinstance(m, FakeNorm) and kind in (None, n.rpartition('.')[2])]
 

@@ -33,8 +33,9 @@ import sys
 import numpy as np
 import torch
 
+from baselines import FAKELN_EVENTS
 from configurator import ConfigError, configure, resolve_device, set_tf32
-from model import FAKELN_EVENTS, GPTConfig
+from model import GPTConfig
 from runs import load_model, model_from_state_dict, save_checkpoint
 
 # -----------------------------------------------------------------------------

@@ -11,7 +11,8 @@ import os
 
 import torch
 
-from model import FAKELN_EVENTS, GPT, GPTConfig
+from baselines import FAKELN_EVENTS
+from model import GPT, GPTConfig
 
 GPT2_MODELS = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
 GPT2_HUB = {name: f'openai-community/{name}' for name in GPT2_MODELS}  # their Hugging Face hub names

@@ -42,8 +42,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-if not hasattr(F, 'rms_norm'):  # the oldest torch this file runs on; newer APIs are guarded where used
-    raise ImportError(f"tapernorm needs torch >= 2.4 (F.rms_norm); this is torch {torch.__version__}")
+from baselines import DYT_ALPHA0, DyT, FakeNorm, dyt_embed_scale, sync_fakeln
+from norms import Norm, all_reduce_sums, norm_input, norm_scale
 
 NORMS = ('rmsnorm', 'layernorm', 'dyt')  # 'dyt': the DyT baseline (baselines.py), no per-token statistics
 TAPERS = ('none', 'internal', 'all')
@@ -51,27 +51,11 @@ PHASES = ('warmup', 'taper', 'linear')  # 'baseline' is the phase of a model wit
 ACTIVATIONS = ('gelu', 'gelu_tanh')  # the MLP's GELU: exact (erf) | tanh approximation (GPT-2's gelu_new)
 NORM_REMOVALS = ('none', 'fakeln')
 AUX_FORMS = ('absolute', 'relative')  # L_aux: the paper's λ·(s − s_tgt)², or λ·(s/s_tgt − 1)² (beyond the paper)
-# what FakeLN's removal events remove, in order (docs/method.md §7): event k is due at k · fakeln_interval
-FAKELN_EVENTS = ('ln_2', 'ln_1', 'ln_f', 'first_position')
 # the model ladder of docs/method.md §6 (vocabulary 10k, context 512, tied head), shared by config/ and bench.py
 LADDER = {'0.4M': dict(n_layer=8, n_embd=32, n_head=1),
           '1M': dict(n_layer=8, n_embd=64, n_head=2), '3M': dict(n_layer=8, n_embd=128, n_head=4),
           '9M': dict(n_layer=8, n_embd=256, n_head=4), '30M': dict(n_layer=8, n_embd=512, n_head=8)}
 CALIB_DECAY = 0.99  # ρ: EMA decay per optimizer step of the calibration statistics (docs/method.md §3)
-
-
-def norm_input(h, kind):
-    """The vector a norm of this kind scales: h (RMS kind) or P h = h − mean(h) (LN kind)."""
-    return h - h.mean(-1, keepdim=True) if kind == 'layernorm' else h
-
-
-def norm_scale(h, kind, eps):
-    """r(h) = sqrt(mean_i h_i² + ε) (RMS kind) or σ(h), the same of P h (LN kind).
-
-    h: (..., d) -> (..., 1). This is also s(h), the scale L_aux anchors (docs/method.md §4).
-    """
-    x = norm_input(h, kind)
-    return torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def aux_loss(s, s_tgt, aux_weight, form='absolute'):
@@ -87,28 +71,6 @@ def aux_loss(s, s_tgt, aux_weight, form='absolute'):
     if form == 'relative':
         return aux_weight * (s / s_tgt - 1).pow(2).mean()
     return aux_weight * (s - s_tgt).pow(2).mean()
-
-
-class Norm(nn.Module):
-    """A plain pre-norm, RMSNorm or LayerNorm, through torch's fused ops.
-
-    The baseline uses it everywhere and Internal-Taper keeps it as the final norm, so every
-    speed comparison is against a fused norm. h: (..., d) -> (..., d).
-    """
-
-    def __init__(self, d, kind, bias, eps):
-        super().__init__()
-        self.kind, self.eps = kind, eps
-        self.weight = nn.Parameter(torch.ones(d))                                       # γ
-        self.bias = nn.Parameter(torch.zeros(d)) if kind == 'layernorm' and bias else None  # β
-
-    def normalize(self, h):
-        if self.kind == 'rmsnorm':
-            return F.rms_norm(h, (h.size(-1),), self.weight, self.eps)
-        return F.layer_norm(h, (h.size(-1),), self.weight, self.bias, self.eps)
-
-    def forward(self, h, gate=None, pos=None):
-        return self.normalize(h)
 
 
 class TaperNorm(Norm):
@@ -210,6 +172,13 @@ class RadialCos(torch.autograd.Function):
     def backward(ctx, grad):
         h, = ctx.saved_tensors
         return grad, F.cosine_similarity(grad.float(), h.float(), dim=-1).mean()
+
+
+# GPTConfig fields added after the first release (7f2aebc), each with what a checkpoint written
+# before it meant: the behaviour before the field existed, which need not be today's default (a DyT
+# model of then had no embedding scalar). runs.load_checkpoint fills them in for every script.
+ABSENT_MEANS = dict(activation='gelu', norm_removal='none', folded=False, aux_form='absolute',
+                    dyt_embed_scale=False)
 
 
 @dataclass
@@ -429,17 +398,6 @@ class Block(nn.Module):
         return x
 
 
-def all_reduce_sums(sums):
-    """Statistics collected on each rank (a list of tensors), all-reduced over ranks under torch.distributed (one call, so every
-    rank gets the same values from every rank's data), as a list shaped like `sums`; the
-    sums are zeroed."""
-    flat = torch.cat([t.view(-1) for t in sums])
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(flat)
-    torch._foreach_zero_(sums)  # one launch for every buffer (foreach: a fused kernel on CUDA)
-    return [t.view_as(s) for t, s in zip(flat.split([s.numel() for s in sums]), sums)]
-
-
 class GPT(nn.Module):
     """Pre-norm GPT with tied token embedding / LM head and optional TaperNorm layers.
 
@@ -456,14 +414,12 @@ class GPT(nn.Module):
 
         def make_norm(where):  # 'ln_1' | 'ln_2' | 'ln_f'
             if kind == 'dyt':
-                from baselines import DYT_ALPHA0, DyT
                 return DyT(config.n_embd, DYT_ALPHA0[where])
             if not config.removable(final=where == 'ln_f'):
                 return Norm(config.n_embd, kind, config.bias, eps)
             if config.folded:
                 return None  # merged into the next linear layer by fold.py
             if config.norm_removal == 'fakeln':
-                from baselines import FakeNorm
                 return FakeNorm(config.n_embd, kind, config.bias, eps)
             return TaperNorm(config.n_embd, kind, config.bias, eps)
 
@@ -480,9 +436,7 @@ class GPT(nn.Module):
         if not config.untied_head():  # folding ln_f gives the head its own weight W' (docs/method.md §5)
             self.transformer.wte.weight = self.lm_head.weight
 
-        # DyT's language-model recipe: a learnable scalar after the embedding, √d at init (baselines.DyT)
-        self.embed_scale = (nn.Parameter(torch.full((), config.n_embd ** 0.5))
-                            if config.norm == 'dyt' and config.dyt_embed_scale else None)
+        self.embed_scale = dyt_embed_scale(config)  # None but in a DyT model: its paper's LLM recipe (baselines.DyT)
         self.register_buffer('gate', torch.ones(()))  # g, used only in the taper phase
         if config.taper != 'none':
             self.register_buffer('calibrated', torch.zeros((), dtype=torch.bool))
@@ -492,7 +446,6 @@ class GPT(nn.Module):
             self.register_buffer('step_hidden_rms', torch.zeros(()), persistent=False)
             self.register_buffer('step_micro', torch.zeros(()), persistent=False)
         if config.norm_removal == 'fakeln':  # FakeLN's removal events so far (docs/method.md §7)
-            from baselines import sync_fakeln
             self.register_buffer('fakeln_stage', torch.zeros((), dtype=torch.long))
             self.register_load_state_dict_post_hook(lambda module, keys: sync_fakeln(module))
         self.last_metrics = None
@@ -512,13 +465,11 @@ class GPT(nn.Module):
         self.radial_sink = self.radial_sink.detach().requires_grad_()
         return self
 
-    def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
+    def _init_weights(self, module):  # GPT-2's: weights N(0, 0.02²), biases 0
+        if isinstance(module, (nn.Linear, nn.Embedding)):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
 
     def num_params(self):
         """Parameters, each shared tensor once (the tied embedding and head count once), with γ̃

@@ -26,7 +26,7 @@ except ImportError:
     fcntl = None
 
 from configurator import ConfigError, parse_args, resolve_device, set_tf32
-from model import GPT, GPTConfig
+from model import ABSENT_MEANS, GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -44,8 +44,8 @@ def resume_config(argv, out_dir, defaults, choices, validate, free):
         raise SystemExit(f"--init_from=resume: {path} not found; train from scratch first "
                          "or point --out_dir at the run to continue")
     ckpt = load_checkpoint(path, 'cpu')
-    # a checkpoint from before the calibration key calibrated with the warmup's EMA
-    stored = {**defaults, 'calibration': 'ema', **ckpt['config']}
+    absent = {k: v for k, v in CONFIG_ABSENT_MEANS.items() if k in defaults}  # what a key it lacks meant
+    stored = {**defaults, **absent, **ckpt['config']}
     try:
         cfg = parse_args(argv, stored, choices)
         if cfg.get('schedule_scale', 1.0) != 1.0:  # given again: it scales the step counts of the files it
@@ -53,7 +53,9 @@ def resume_config(argv, out_dir, defaults, choices, validate, free):
         validate(cfg)
     except ConfigError as e:
         raise SystemExit(f"config error: {e}")
-    diff = [f"{k}={cfg[k]!r} (stored: {stored[k]!r})" for k in cfg if k not in free and cfg[k] != stored[k]]
+    was = lambda k: (f"stored: {ckpt['config'][k]!r}" if k in ckpt['config'] else "not stored: the run predates "
+                     "the key" + (f", so it ran as {k}={absent[k]!r}" if k in absent else ""))
+    diff = [f"{k}={cfg[k]!r} ({was(k)})" for k in cfg if k not in free and cfg[k] != stored[k]]
     if diff:
         raise SystemExit(f"--init_from=resume: {', '.join(diff)} would change the run in {out_dir}; "
                          f"leave them out to continue it as it was (python train.py --init_from=resume "
@@ -103,7 +105,7 @@ def find_dataset(cfg, may_prepare):
 
 def check_dataset(folder, block_size, fix):
     """meta.json of a dataset folder after checking it and both .bin files: readable JSON with
-    an integer vocab_size, a whole number of uint16 tokens, more than block_size + 1 of them,
+    an integer vocab_size, a whole number of uint16 tokens, at least block_size + 1 of them,
     every id below vocab_size. SystemExit naming the file and the fix otherwise."""
     path = os.path.join(folder, 'meta.json')
     try:
@@ -120,9 +122,9 @@ def check_dataset(folder, block_size, fix):
         if size % 2:
             raise SystemExit(f"{path} holds {size} bytes, not a whole number of uint16 tokens (truncated?); "
                              f"prepare the dataset again: {fix}")
-        if size // 2 <= block_size + 1:
-            raise SystemExit(f"{path} has {size // 2} tokens, not more than block_size + 1 = {block_size + 1}; "
-                             f"use a smaller --block_size or more data")
+        if size // 2 < block_size + 1:  # one window: block_size inputs and their block_size targets
+            raise SystemExit(f"{path} has {size // 2} tokens, fewer than block_size + 1 = {block_size + 1} (one "
+                             f"window); use a smaller --block_size or more data")
         data = np.memmap(path, dtype=np.uint16, mode='r')
         top = max(int(data[i:i + (1 << 24)].max()) for i in range(0, len(data), 1 << 24))
         if top >= vocab_size:
@@ -496,6 +498,9 @@ def save_checkpoint(obj, path):
 
 
 CHECKPOINT_KEYS = ('model', 'model_args')  # what every checkpoint holds; train.py's also optimizer, iter_num, config
+# train.py keys added after the first release: what a run's config without them meant (the model's
+# own are model.ABSENT_MEANS; a run from before `calibration` calibrated with the warmup's EMA)
+CONFIG_ABSENT_MEANS = {**ABSENT_MEANS, 'calibration': 'ema'}
 
 
 def load_checkpoint(path, device='cpu'):
@@ -515,6 +520,7 @@ def load_checkpoint(path, device='cpu'):
     missing = [k for k in CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise SystemExit(f"{path} is not a tapernorm checkpoint: it lacks {', '.join(missing)}")
+    ckpt['model_args'] = {**ABSENT_MEANS, **ckpt['model_args']}  # an older checkpoint: what it meant
     return ckpt
 
 

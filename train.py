@@ -40,10 +40,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from baselines import fakeln_step, remove_norms
+from baselines import DYT_SATURATED, FAKELN_EVENTS, fakeln_step, final_dyt_saturated, remove_norms
 from configurator import ConfigError, check_compiler, configure, defaults_of, keys_set, overlay_rank
 from gpt2 import GPT2_MODELS, PRETRAINED_SHAPE, PretrainedError, from_pretrained, pretrained_args
-from model import FAKELN_EVENTS, GPT, GPTConfig
+from model import GPT, GPTConfig
 from runs import (Progress, StopSignal, batch_rng, claim_out_dir, compile_model, end_processes, final_losses,
                   final_record, find_dataset, log, model_from_state_dict, resume_command, resume_config,
                   save_checkpoint, setup, windows, wrap_ddp)
@@ -85,7 +85,7 @@ gradient_accumulation_steps = 4  # per process
 learning_rate = 1e-3        # peak learning rate
 min_lr = 1e-4               # reached at lr_decay_iters, then held
 warmup_iters = 500          # linear learning-rate warmup
-lr_decay_iters = 5000       # end of the cosine decay (usually max_iters)
+lr_decay_iters = 5000       # end of the cosine decay (usually max_iters; above it, the run stops before min_lr)
 weight_decay = 0.1          # on matrices and embeddings only, never on gains and biases
 beta1 = 0.9
 beta2 = 0.95
@@ -154,8 +154,9 @@ def validate(cfg):
     for key in ('min_lr', 'weight_decay', 'grad_clip', 'warmup_iters'):
         if cfg[key] < 0:
             raise ConfigError(f"{key}={cfg[key]} must be >= 0")
-    if cfg['lr_decay_iters'] < cfg['warmup_iters']:
-        raise ConfigError(f"lr_decay_iters={cfg['lr_decay_iters']} is below warmup_iters={cfg['warmup_iters']}")
+    if cfg['lr_decay_iters'] <= cfg['warmup_iters']:  # above max_iters is allowed: a run cut short of its decay
+        raise ConfigError(f"lr_decay_iters={cfg['lr_decay_iters']} must exceed warmup_iters={cfg['warmup_iters']}: "
+                          f"the cosine decay runs from warmup_iters to lr_decay_iters (usually max_iters)")
     if cfg['taper'] != 'none':
         W, T = cfg['gate_warmup_iters'], cfg['taper_iters']
         if W < 1:
@@ -311,12 +312,13 @@ def build_model(cfg, model_args, ckpt, env):
 def train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stop=None):
     """One optimizer step over gradient_accumulation_steps micro-batches. Returns the step's
     means over micro-batches and ranks {loss, ce, aux, hidden_rms, logit_rms, radial_cos},
-    grad_norm (before clipping) and stop: whether any rank's StopSignal `stop` had received a
-    signal when its gradients were complete (it rides on the same all-reduce, so every rank stops
-    at the same step), all read from the device in one .tolist(), the step's only host sync. SystemExit on a non-finite loss, before the optimizer
+    grad_norm (before clipping), dyt_saturated (baselines.final_dyt_saturated) and stop: whether
+    any rank's StopSignal `stop` had received a signal when its gradients were complete (it rides
+    on the same all-reduce, so every rank stops at the same step), all read from the device in one
+    .tolist(), the step's only host sync. SystemExit on a non-finite loss, before the optimizer
     step. batches: a Batches (the next step's first micro-batch is built before that sync)."""
     torch.manual_seed(int(np.random.SeedSequence([cfg.seed, it, env.rank]).generate_state(1)[0]))  # dropout
-    sums = torch.zeros(8, device=env.dev)
+    sums = torch.zeros(9, device=env.dev)
     for micro in range(cfg.gradient_accumulation_steps):
         if env.ddp:  # all-reduce gradients on the last micro-step only
             train_model.require_backward_grad_sync = micro == cfg.gradient_accumulation_steps - 1
@@ -336,11 +338,12 @@ def train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stop=No
         torch.distributed.all_reduce(sums)  # SUM: gloo has no AVG
         sums /= env.world
     sums[7] = grad_norm  # after the all-reduce: the gradients (and so their norm) are the same on every rank
+    sums[8] = final_dyt_saturated(raw_model)  # so are they here
     if it + 1 < cfg.max_iters:
         batches.prefetch(it + 1, 0)  # the next step's first micro-batch, built while the device works
-    stats = dict(zip(('loss', 'ce', 'aux', 'hidden_rms', 'logit_rms', 'radial_cos', 'stop', 'grad_norm'),
-                     sums.tolist()))  # the step's one host sync
-    stats['stop'] = stats['stop'] > 0
+    stats = dict(zip(('loss', 'ce', 'aux', 'hidden_rms', 'logit_rms', 'radial_cos', 'stop', 'grad_norm',
+                      'dyt_saturated'), sums.tolist()))  # the step's one host sync
+    stats['stop'], stats['dyt_saturated'] = stats['stop'] > 0, stats['dyt_saturated'] > 0
     if not (math.isfinite(stats['loss']) and math.isfinite(stats['grad_norm'])):
         raise SystemExit(f"non-finite loss {stats['loss']} (grad norm {stats['grad_norm']}) at iteration {it}; "
                          f"stopping without saving: {os.path.join(cfg.out_dir, 'ckpt.pt')} keeps the last good state")
@@ -514,7 +517,7 @@ def main(argv):
     schedule = (cfg.taper, cfg.gate_warmup_iters, cfg.taper_iters)
     batches = Batches(folder, cfg, env)
     progress = Progress(cfg, env, folder, cpu_hint(argv) if cfg.init_from == 'scratch' else '')
-    train_model = None
+    train_model, saturated_at = None, None
     fwd_model.train()
     with StopSignal(talk=env.master) as stop:
 
@@ -578,10 +581,14 @@ def main(argv):
 
             if logged:
                 scale = raw_model.last_metrics.final_scale_rms
-                log(dict(iter=it, phase=phase, gate=gate, lr=lr, **{k: stats[k] for k in stats if k not in ('grad_norm', 'stop')},
+                log(dict(iter=it, phase=phase, gate=gate, lr=lr,
+                         **{k: stats[k] for k in stats if k not in ('grad_norm', 'stop', 'dyt_saturated')},
                          **record, **({'final_scale_rms': scale.item()} if scale is not None else {}),
                          grad_norm=stats['grad_norm'], step_ms=1000 * dt_s, tokens_per_s=tokens_per_iter / dt_s),
                     cfg, env)
+            if stats['dyt_saturated'] and saturated_at is None and env.master:  # said once: it may recover
+                saturated_at = it
+                print(DYT_SATURATED.format(it=it), file=sys.stderr)
             if phase == 'warmup' and it == cfg.gate_warmup_iters - 1:
                 if not env.ddp:
                     stop.doing = f'the calibrate event after iteration {it}'

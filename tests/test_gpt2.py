@@ -27,7 +27,8 @@ from test_data import load_script
 from test_train import interrupt_at, linear_phase_model, read_log
 from baselines import FakeNorm, fakeln_step, fakenorms, remove_norms
 from gpt2 import PretrainedError, export_gpt2 as export, from_pretrained, pretrained_args
-from model import FAKELN_EVENTS, GPT, GPTConfig, TaperNorm
+from baselines import FAKELN_EVENTS
+from model import GPT, GPTConfig, TaperNorm
 from runs import load_model
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,7 +10,8 @@ from torch.overrides import TorchFunctionMode
 from torch.testing import assert_close
 
 import train
-from model import CALIB_DECAY, GPT, LADDER, GPTConfig, Norm, TaperNorm, aux_loss, norm_scale
+from model import CALIB_DECAY, GPT, LADDER, GPTConfig, TaperNorm, aux_loss
+from norms import Norm, norm_scale
 
 KINDS = ['rmsnorm', 'layernorm']
 
@@ -298,6 +299,17 @@ def test_the_model_applies_the_aux_form_it_is_given():
     assert losses['absolute'] == pytest.approx(0.5 * (r - 3.0).pow(2).mean().item(), rel=1e-5)
     with pytest.raises(ValueError, match=r"aux_form='squared': choose one of \('absolute', 'relative'\)"):
         GPTConfig(aux_form='squared')
+
+
+def test_every_model_key_added_since_the_first_release_says_what_its_absence_meant():
+    """GPTConfig's fields at the first release (7f2aebc); every later one is in ABSENT_MEANS, so a
+    checkpoint from before it loads as it ran (tests/test_runs.py loads, samples and resumes one)."""
+    from dataclasses import fields
+    from model import ABSENT_MEANS
+    first = {'block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'dropout', 'bias', 'norm', 'taper',
+             'aux_weight', 'norm_eps'}
+    assert set(ABSENT_MEANS) == {f.name for f in fields(GPTConfig)} - first
+    assert ABSENT_MEANS['dyt_embed_scale'] is False  # DyT had no embedding scalar before 9b3e8c9
 
 
 def test_dyt_is_gamma_tanh_alpha_h_plus_beta():

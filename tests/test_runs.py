@@ -360,15 +360,30 @@ def break_dataset(toy_data, how):
         data[5] = 64
         data.tofile(folder / 'val.bin')
     elif how == 'short':
-        np.zeros(17, dtype=np.uint16).tofile(folder / 'val.bin')
+        np.zeros(16, dtype=np.uint16).tofile(folder / 'val.bin')
     elif how == 'meta':
         (folder / 'meta.json').write_text('{"vocab_size": ')
+
+
+def test_data_exactly_one_window_long_trains_and_is_evaluated_on_that_window(toy_data, tmp_path):
+    """block_size + 1 tokens hold one window (16 inputs, 16 targets): accepted for both splits."""
+    folder = toy_data / 'toy'
+    stream = np.fromfile(folder / 'train.bin', dtype=np.uint16)
+    stream[:17].tofile(folder / 'train.bin')
+    stream[100:117].tofile(folder / 'val.bin')
+    model = train.main(toy_args(toy_data, tmp_path / 'run', taper='none', aux_weight=0.0, max_iters=2, warmup_iters=1,
+                                lr_decay_iters=2, eval_interval=2))
+    x = torch.from_numpy(stream[100:117].astype(np.int64))
+    model.eval()
+    with torch.no_grad():
+        _, ce = model(x[None, :16], x[None, 1:])
+    assert read_log(tmp_path / 'run')[-1]['final_val_loss'] == pytest.approx(ce.item(), rel=1e-5)
 
 
 @pytest.mark.parametrize('how, message', [
     ('odd', r'train.bin holds 20001 bytes, not a whole number of uint16 tokens .*prepare the dataset again'),
     ('vocab', r"val.bin holds token id 64, outside meta.json's vocab_size 64"),
-    ('short', r'val.bin has 17 tokens, not more than block_size \+ 1 = 17'),
+    ('short', r'val.bin has 16 tokens, fewer than block_size \+ 1 = 17 \(one window\)'),
     ('meta', r'meta.json is not a readable dataset description'),
 ])
 def test_bad_data_is_refused_at_start_up_before_anything_is_written(toy_data, tmp_path, how, message):
@@ -499,6 +514,46 @@ def test_schedule_scale_scales_every_step_count_once_and_a_resume_keeps_them(toy
         train.main(toy_args(toy_data, out, schedule_scale=0.25) + ['--init_from=resume'])
 
 
+def test_a_checkpoint_from_before_each_model_key_loads_samples_and_resumes_as_it_ran(tmp_path, monkeypatch):
+    """A DyT run from before the embedding scalar (9b3e8c9) and the other model keys added since the
+    first release: its model_args and config lack them. Absent, each means what it meant then
+    (dyt_embed_scale: False, no scalar), so the checkpoint loads, samples and resumes to the weights of
+    the same run never stopped; a resume that would change such a key names what the run held."""
+    from data.text import prepare
+    import sample
+    from model import ABSENT_MEANS
+    from test_train import interrupt_at
+    words = 'the cat sat on a mat and then it ran away very quickly said Emma to her sister'.split()
+    rng = np.random.default_rng(0)
+    (tmp_path / 'corpus.txt').write_text('.\n'.join(' '.join(rng.choice(words, 9)) for _ in range(300)))
+    prepare.main([f'--input={tmp_path / "corpus.txt"}', '--vocab_size=64', f'--out_dir={tmp_path / "data" / "words"}'])
+    run = lambda out, **kw: toy_args(tmp_path / 'data', out, **{**dict(
+        dataset='words', norm='dyt', taper='none', aux_weight=0.0, dyt_embed_scale=False, max_iters=8, lr_decay_iters=8), **kw})
+    train.main(run(tmp_path / 'straight'))
+    old = tmp_path / 'old'
+    interrupt_at(6, run(old), monkeypatch)  # its checkpoint: iteration 4
+    ckpt = torch.load(old / 'ckpt.pt', weights_only=True)
+    gone = [k for k in ABSENT_MEANS if k in ckpt['model_args']]  # 'folded' is fold.py's: never in a run's
+    for k in gone:
+        del ckpt['model_args'][k]
+        ckpt['config'].pop(k, None)
+    assert 'dyt_embed_scale' in gone and not any(k in ckpt['model_args'] or k in ckpt['config'] for k in ABSENT_MEANS)
+    torch.save(ckpt, old / 'ckpt.pt')
+
+    model, _ = load_model(str(old / 'ckpt.pt'))
+    assert model.config.norm == 'dyt' and model.embed_scale is None  # absent: no scalar, as the run had
+    text = sample.main([f'--ckpt={old / "ckpt.pt"}', '--start=the cat', '--num_samples=1', '--max_new_tokens=8',
+                        '--temperature=0', '--device=cpu'])
+    assert text[0].startswith('the cat') and len(text[0]) > len('the cat')
+    with pytest.raises(SystemExit, match=r"dyt_embed_scale=True \(not stored: the run predates the key, so it ran "
+                                         r"as dyt_embed_scale=False\)"):
+        train.main(run(old, init_from='resume', dyt_embed_scale=True))
+    resumed = train.main(run(old, init_from='resume'))  # the command that started it, dyt_embed_scale=False given
+    straight, _ = load_model(str(tmp_path / 'straight' / 'ckpt.pt'))
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_a_checkpoint_from_before_the_calibration_key_loads_and_resumes_as_ema(toy_data, tmp_path):
     """Checkpoints written before calibration='end' existed hold the same tensors and a config
     without calibration / calib_batches / overwrite: they load, and resume with the EMA they used."""
@@ -512,5 +567,6 @@ def test_a_checkpoint_from_before_the_calibration_key_loads_and_resumes_as_ema(t
     assert model.phase == 'linear'
     resumed = train.main([f'--out_dir={out}', '--init_from=resume'])
     assert torch.equal(resumed.lm_head.weight, model.lm_head.weight)
-    with pytest.raises(SystemExit, match=r"calibration='end' \(stored: 'ema'\)"):
+    with pytest.raises(SystemExit, match=r"calibration='end' \(not stored: the run predates the key, so it ran "
+                                         r"as calibration='ema'\)"):  # what the run held, not a default
         train.main([f'--out_dir={out}', '--init_from=resume', '--calibration=end'])

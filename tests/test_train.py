@@ -112,6 +112,7 @@ def test_config_files_compose_and_overrides_win():
     (['--taper=internal', '--taper_iters=0'], 'taper_iters=0 must be >= 1'),
     (['--taper=internal', '--max_iters=100', '--gate_warmup_iters=50', '--taper_iters=51'], 'exceeds max_iters=100'),
     (['--taper=none', '--aux_weight=0.1'], 'aux_weight > 0 needs taper'),
+    (['--warmup_iters=100', '--lr_decay_iters=100'], 'lr_decay_iters=100 must exceed warmup_iters=100'),  # no decay
     (['--norm=batchnorm'], "norm='batchnorm'"),
     (['--learning_rate=-1'], 'learning_rate=-1.0 must be > 0'),
     (['--dropout=1'], 'dropout=1.0 must be in [0, 1)'),
@@ -121,6 +122,43 @@ def test_config_files_compose_and_overrides_win():
 def test_config_errors_name_the_key(args, message):
     with pytest.raises(SystemExit, match='^config error: .*' + re.escape(message)):
         load_config(args)
+
+
+def test_a_dyt_run_whose_final_norm_saturates_says_so_once_and_it_is_true(tmp_path, capsys):
+    """Real text (Emma's first chapters, tests/data/emma.txt, public domain), DyT with its paper's recipe at
+    a rate high for the model: within ~25 steps the residual stream grows past the final DyT's tanh range
+    (docs/results.md, "DyT on the quick start"), and from then on no gradient reaches the blocks. The
+    run says so in one line, once; the same run with RMSNorm does not."""
+    from data.text import prepare
+    prepare.main([f'--input={os.path.join(os.path.dirname(__file__), "data", "emma.txt")}', '--vocab_size=1024',
+                  f'--out_dir={tmp_path / "data" / "emma"}'])
+    run = lambda norm: train.main(toy_args(tmp_path / 'data', tmp_path / norm, dataset='emma', norm=norm, taper='none',
+                                           aux_weight=0.0, n_layer=4, n_head=1, n_embd=16, block_size=32, batch_size=8,
+                                           gradient_accumulation_steps=1, dropout=0.0, max_iters=40, warmup_iters=10,
+                                           lr_decay_iters=40, learning_rate=1e-2, min_lr=1e-3, eval_interval=40))
+    data = np.fromfile(tmp_path / 'data' / 'emma' / 'train.bin', dtype=np.uint16).astype(np.int64)
+    x = torch.from_numpy(np.stack([data[i:i + 33] for i in range(0, 8 * 33, 33)]))  # (8, 33): 8 windows
+
+    def block_grads(model):  # |∂CE/∂θ| summed per tensor of the blocks, on 8 windows of the text
+        model.train()
+        model(x[:, :-1].contiguous(), x[:, 1:].contiguous())[1].backward()
+        return [p.grad.abs().sum().item() for n, p in model.named_parameters() if n.startswith('transformer.h.')]
+
+    capsys.readouterr()
+    dyt = run('dyt')
+    err = capsys.readouterr().err
+    assert err.count('the final DyT saturated') == 1 and 'norm=\'rmsnorm\'' in err, err
+    assert 0 < int(re.search(r'warning: iteration (\d+):', err).group(1)) < 40
+    assert max(block_grads(dyt)) == 0  # what it says: not one gradient entry reaches a block
+    rms = run('rmsnorm')
+    assert 'saturated' not in capsys.readouterr().err and min(block_grads(rms)) > 0
+
+
+def test_a_decay_longer_than_the_run_is_allowed_and_ends_the_run_above_min_lr():
+    """lr_decay_iters > max_iters: the first max_iters steps of a longer schedule (deliberate, train.py's key)."""
+    cfg = load_config(['--max_iters=100', '--warmup_iters=10', '--lr_decay_iters=190', '--min_lr=0'])
+    last = get_lr(cfg.max_iters - 1, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters)
+    assert last == pytest.approx(cfg.learning_rate * 0.5 * (1 + math.cos(math.pi * 89 / 180)))  # not yet min_lr
 
 
 def test_string_keys_keep_their_text():
