@@ -162,6 +162,15 @@ def ladder_blocks(best):
     return {n: a for block in blocks for cells in block for n, a in cells.items()}
 
 
+def ema_grid(best):
+    """{cell name: train.py arguments} of part 4's block 2: Internal-Taper with the users' default
+    calibration='ema' at every point of best ({(size, budget): {'internal': lr, ...}}), seed 1, at
+    half, once and twice the rate tuned with 'end', so that its own best is bracketed or the grid
+    says which way to extend. Every new cell runs pinned (cpu_isa)."""
+    return {n: a for p in LADDER_POINTS if p in best
+            for n, a in ladder_cells(('internal_ema',), *p, [f * best[p]['internal'] for f in (0.5, 1, 2)]).items()}
+
+
 LRS = (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)  # 1.6e-2: the baseline was still improving at 8e-3
 SHORT = ['--gate_warmup_iters=20', '--taper_iters=50']  # W = 20, T = 50 in the same 1500-step run
 MATRICES = {
@@ -212,7 +221,7 @@ MATRICES = {
     'ladder': {**ladder_cells(('baseline', 'internal'), '1M', '9M', (8e-3,)),
                **{n: a for size, budget in LADDER_POINTS
                   for n, a in ladder_cells(('baseline', 'internal'), size, budget, LADDER_LRS[size, budget]).items()},
-               **ladder_blocks(LADDER_BEST)},
+               **ladder_blocks(LADDER_BEST), **ema_grid(LADDER_BEST)},
     # a two-cell matrix of a few seconds on the toy data of the tests
     'tiny': {f'{v}-end-s1': ['--dataset=toy', '--device=cpu', '--n_layer=1', '--n_head=1', '--n_embd=16',
                              '--block_size=16', '--batch_size=2', '--gradient_accumulation_steps=1',

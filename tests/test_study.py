@@ -635,3 +635,15 @@ def test_the_pins_reach_torchs_kernel_dispatch():
     out = subprocess.run([sys.executable, '-c', code], env=dict(os.environ, **study.cpu_pins('avx2')),
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == 'AVX2'
+
+
+def test_part_4s_ema_grid_brackets_the_rate_tuned_with_end_at_every_point():
+    best = {('0.4M', '3M'): {'baseline': 0.03, 'internal': 0.02}, ('1M', '9M'): {'baseline': 0.01, 'internal': 0.005}}
+    cells = study.ema_grid(best)
+    assert list(cells) == ['internal_ema-0.4M-t3M-lr0.01-s1', 'internal_ema-0.4M-t3M-lr0.02-s1', 'internal_ema-0.4M-t3M-lr0.04-s1',
+                           'internal_ema-1M-t9M-lr0.0025-s1', 'internal_ema-1M-t9M-lr0.005-s1', 'internal_ema-1M-t9M-lr0.01-s1']
+    cfg = study.cell_config(cells['internal_ema-1M-t9M-lr0.0025-s1'])
+    assert (cfg['calibration'], cfg['taper'], cfg['learning_rate'], cfg['max_iters']) == ('ema', 'internal', 0.0025, 4500)
+    # the ladder matrix holds the grid at the declared best rates; the cell part 3 ran is one of them
+    assert set(study.ema_grid(study.LADDER_BEST)) <= set(study.MATRICES['ladder'])
+    assert 'internal_ema-1M-t9M-lr0.008-s1' in study.ema_grid(study.LADDER_BEST)
