@@ -178,7 +178,7 @@ class RadialCos(torch.autograd.Function):
 # before it meant: the behaviour before the field existed, which need not be today's default (a DyT
 # model of then had no embedding scalar). runs.load_checkpoint fills them in for every script.
 ABSENT_MEANS = dict(activation='gelu', norm_removal='none', folded=False, aux_form='absolute',
-                    dyt_embed_scale=False)
+                    dyt_embed_scale=False, dyt_alpha0_scale=1.0)
 
 
 @dataclass
@@ -198,6 +198,7 @@ class GPTConfig:
     activation: str = 'gelu'    # the MLP's GELU: 'gelu' (exact) | 'gelu_tanh' (GPT-2's gelu_new)
     norm_removal: str = 'none'  # 'none' | 'fakeln': the FakeLN baseline (docs/method.md §7), taper='none'
     dyt_embed_scale: bool = True  # norm='dyt' only: a learnable scalar, √n_embd at init, scales the embeddings (baselines.py)
+    dyt_alpha0_scale: float = 1.0  # norm='dyt' only: multiplies every α₀ of baselines.DYT_ALPHA0 (the DyT paper's)
     folded: bool = False        # the tapered (or FakeLN) norms were folded into the next linear layers (fold.py)
 
     def __post_init__(self):
@@ -223,6 +224,8 @@ class GPTConfig:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+        if self.dyt_alpha0_scale <= 0:
+            raise ValueError(f"dyt_alpha0_scale={self.dyt_alpha0_scale} must be > 0 (it multiplies DyT's α₀)")
         if self.norm_eps < 0:
             raise ValueError(f"norm_eps={self.norm_eps} must be >= 0")
         if self.n_embd % self.n_head != 0:
@@ -414,7 +417,7 @@ class GPT(nn.Module):
 
         def make_norm(where):  # 'ln_1' | 'ln_2' | 'ln_f'
             if kind == 'dyt':
-                return DyT(config.n_embd, DYT_ALPHA0[where])
+                return DyT(config.n_embd, config.dyt_alpha0_scale * DYT_ALPHA0[where])
             if not config.removable(final=where == 'ln_f'):
                 return Norm(config.n_embd, kind, config.bias, eps)
             if config.folded:

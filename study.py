@@ -96,6 +96,8 @@ VARIANTS7 = {  # every cell names its calibration ('end' where nothing tapers: t
     'internal_rel': VARIANTS['internal'] + ['--calibration=end', '--aux_form=relative'],  # beyond the paper
     'dyt': DYT7 + ['--dyt_embed_scale=True'],        # with the DyT paper's embedding scalar
     'dyt_noemb': DYT7 + ['--dyt_embed_scale=False'],  # without it: the ablation
+    'all_ema': VARIANTS['all'] + ['--calibration=ema'],                                   # part 4's block 5
+    'dyt_a2': DYT7 + ['--dyt_embed_scale=True', '--dyt_alpha0_scale=2'],  # twice the DyT paper's α₀: part 4's block 6
 }
 BUDGETS = {'3M': 1500, '9M': 4500, '18M': 9000}  # optimizer steps of 2,048 tokens: 3.07M, 9.22M, 18.4M tokens
 
@@ -131,7 +133,7 @@ DYT_LRS = {('1M', '9M'): (2e-3, 4e-3, 8e-3, 1.6e-2), ('0.4M', '18M'): (4e-3, 8e-
 # warmup at the baseline's best rates and at 4e-3 (1M), stalling near val loss 6.2 where the
 # baseline was at 4.5-4.9, as the paper says it does ("training struggles to progress")
 DYT_NOEMB_LRS = {('1M', '9M'): (4e-3, 8e-3), ('0.4M', '18M'): (1.6e-2,)}
-LADDER_ABLATIONS = ('dyt_noemb',)  # in the tables, not on the plot: no bracketed best rate
+LADDER_ABLATIONS = ('dyt_noemb', 'dyt_a2')  # in the tables, not on the plot: no bracketed best rate
 
 # block 1's best rates, each bracketed, entered here as each point's grid finishes (test_study
 # checks every entry against study/results.json); blocks 2-6 run at them
@@ -169,6 +171,34 @@ def ema_grid(best):
     says which way to extend. Every new cell runs pinned (cpu_isa)."""
     return {n: a for p in LADDER_POINTS if p in best
             for n, a in ladder_cells(('internal_ema',), *p, [f * best[p]['internal'] for f in (0.5, 1, 2)]).items()}
+
+
+# part 4's best rates, each bracketed, entered as each grid finishes (test_study checks every entry
+# against study/results.json); blocks 3-6 run at them. 'ema' Internal-Taper's come from block 2
+# (ema_grid); DyT's from part 3's block 5 (DYT_LRS)
+EMA_BEST = {}
+DYT_BEST = {('1M', '9M'): 4e-3, ('0.4M', '18M'): 8e-3}
+
+
+def part4_blocks(best, ema_best, dyt_best):
+    """{cell name: train.py arguments} of part 4's blocks 3-6 where their rates are known (best:
+    LADDER_BEST's form; ema_best, dyt_best: {(size, budget): lr} of 'ema' Internal-Taper and DyT):
+    (3) the √2 midpoints either side of the best rate (to 3 digits: 5.66e-3 and 1.13e-2 around 8e-3)
+    of the baseline and 'ema' Internal-Taper at the long points, seed 1; (4) seeds 2 and 3 of both
+    at their best rates at every point; (5) All-Taper with 'ema' at the long points at 'ema'
+    Internal-Taper's best rate, seeds 1-3; (6) DyT's seeds 2 and 3 at its best rate at the long
+    points, and DyT at twice the paper's α₀ there ('dyt_a2', seed 1: its paper asks larger α₀ of
+    narrower models). A midpoint that beats the best moves the best: seeds follow in a later run."""
+    mid = lambda lr: [float(f'{lr * f:.3g}') for f in (2 ** -0.5, 2 ** 0.5)]
+    rates = lambda p: {**({'baseline': best[p]['baseline']} if p in best else {}),
+                       **({'internal_ema': ema_best[p]} if p in ema_best else {})}
+    at = lambda v, p, lrs, seeds=(1,): ladder_cells((v,), *p, lrs, seeds)
+    blocks = [[at(v, p, mid(lr)) for p in LONG_POINTS for v, lr in rates(p).items()],
+              [at(v, p, (lr,), (2, 3)) for p in LADDER_POINTS for v, lr in rates(p).items()],
+              [at('all_ema', p, (ema_best[p],), (1, 2, 3)) for p in LONG_POINTS if p in ema_best],
+              [{**at('dyt', p, (dyt_best[p],), (2, 3)), **at('dyt_a2', p, (dyt_best[p],))}
+               for p in LONG_POINTS if p in dyt_best]]
+    return {n: a for block in blocks for cells in block for n, a in cells.items()}
 
 
 LRS = (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)  # 1.6e-2: the baseline was still improving at 8e-3
@@ -221,7 +251,7 @@ MATRICES = {
     'ladder': {**ladder_cells(('baseline', 'internal'), '1M', '9M', (8e-3,)),
                **{n: a for size, budget in LADDER_POINTS
                   for n, a in ladder_cells(('baseline', 'internal'), size, budget, LADDER_LRS[size, budget]).items()},
-               **ladder_blocks(LADDER_BEST), **ema_grid(LADDER_BEST)},
+               **ladder_blocks(LADDER_BEST), **ema_grid(LADDER_BEST), **part4_blocks(LADDER_BEST, EMA_BEST, DYT_BEST)},
     # a two-cell matrix of a few seconds on the toy data of the tests
     'tiny': {f'{v}-end-s1': ['--dataset=toy', '--device=cpu', '--n_layer=1', '--n_head=1', '--n_embd=16',
                              '--block_size=16', '--batch_size=2', '--gradient_accumulation_steps=1',

@@ -77,6 +77,7 @@ aux_weight = 0.0            # λ of the scale-anchor loss L_aux
 aux_form = 'absolute'       # 'absolute': λ·mean (s(h) − s_tgt)², the paper's | 'relative': λ·mean (s(h)/s_tgt − 1)², beyond the paper
 norm_removal = 'none'       # 'none' | 'fakeln': the FakeLN baseline (with taper='none'; docs/method.md §7)
 dyt_embed_scale = True      # norm='dyt': a learnable scalar (√n_embd at init) after the embedding, the DyT paper's LLM recipe
+dyt_alpha0_scale = 1.0      # norm='dyt': multiplies the DyT paper's α₀ (0.8 before attention, 0.2 elsewhere); it suggests larger for narrower models
 fakeln_interval = 30        # FakeLN: steps between its events (ln_2, ln_1, ln_f, first position at 1, 2, 3, 4 ×); 30: the gaps of Baroni et al.'s GPT-2 small schedule (all norms gone by step ~104 of 300), one kind at a time
 # batch: tokens per optimizer step = batch_size * block_size * gradient_accumulation_steps * world
 batch_size = 32             # sequences per micro-batch, per process
@@ -111,7 +112,8 @@ CHOICES = dict(compile=('auto', True, False), calibration=('end', 'ema'), sample
 RESUME_FREE = ('init_from', 'overwrite', 'out_dir', 'data_dir', 'device', 'compile', 'backend', 'eval_interval',
                'log_interval')
 MODEL_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout', 'norm', 'norm_eps', 'activation',
-              'taper', 'aux_weight', 'aux_form', 'norm_removal', 'dyt_embed_scale')  # GPTConfig's fields set here (vocab_size comes from the dataset)
+              'taper', 'aux_weight', 'aux_form', 'norm_removal', 'dyt_embed_scale',
+              'dyt_alpha0_scale')  # GPTConfig's fields set here (vocab_size comes from the dataset)
 SHAPE_KEYS = tuple(k for k in MODEL_KEYS if k in PRETRAINED_SHAPE or k == 'block_size')  # init_from=gpt2 sets them
 
 

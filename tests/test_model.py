@@ -312,6 +312,15 @@ def test_every_model_key_added_since_the_first_release_says_what_its_absence_mea
     assert ABSENT_MEANS['dyt_embed_scale'] is False  # DyT had no embedding scalar before 9b3e8c9
 
 
+def test_dyt_alpha0_scale_multiplies_the_papers_alpha0_at_every_position():
+    """Part 4's block 6 runs DyT at twice the paper's α₀ (it asks larger ones of narrower models)."""
+    alphas = {n.rsplit('.', 1)[-1]: m.alpha.item() for n, m in tiny('dyt', taper='none', dyt_alpha0_scale=2.0)
+              .named_modules() if n.endswith(('ln_1', 'ln_2', 'ln_f'))}
+    assert alphas == {'ln_1': pytest.approx(1.6), 'ln_2': pytest.approx(0.4), 'ln_f': pytest.approx(0.4)}  # 2 × (0.8, 0.2, 0.2)
+    with pytest.raises(ValueError, match=r"dyt_alpha0_scale=0.0 must be > 0"):
+        GPTConfig(norm='dyt', dyt_alpha0_scale=0.0)
+
+
 def test_dyt_is_gamma_tanh_alpha_h_plus_beta():
     from baselines import DyT
     torch.manual_seed(0)

@@ -265,7 +265,8 @@ def test_study_on_a_gpu_moves_every_cell_there_in_float32_into_its_own_folder():
 def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_once():
     tokens_per_step = 16 * 128  # config/cpu.py: batch 16 × context 128, one process
     cells = study.MATRICES['ladder']
-    block1 = [n for n in cells if n.split('-')[0] in ('baseline', 'internal') and n.endswith('-s1')]
+    part4 = study.part4_blocks(study.LADDER_BEST, study.EMA_BEST, study.DYT_BEST)  # block 3's midpoints
+    block1 = [n for n in cells if n.split('-')[0] in ('baseline', 'internal') and n.endswith('-s1') and n not in part4]
     assert len(block1) == 2 * (4 * 3 + 2)  # two variants × four points × three rates, two points a fourth
     for name, args in cells.items():
         cfg = study.cell_config(args)
@@ -283,8 +284,10 @@ def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_o
             'baseline': ('none', 0.0, 'rmsnorm', 'end', 'absolute'), 'internal': ('internal', 0.1, 'rmsnorm', 'end', 'absolute'),
             'all': ('all', 0.1, 'rmsnorm', 'end', 'absolute'), 'internal_ema': ('internal', 0.1, 'rmsnorm', 'ema', 'absolute'),
             'internal_rel': ('internal', 0.1, 'rmsnorm', 'end', 'relative'), 'dyt': ('none', 0.0, 'dyt', 'end', 'absolute'),
-            'dyt_noemb': ('none', 0.0, 'dyt', 'end', 'absolute')}[v]
+            'dyt_noemb': ('none', 0.0, 'dyt', 'end', 'absolute'), 'all_ema': ('all', 0.1, 'rmsnorm', 'ema', 'absolute'),
+            'dyt_a2': ('none', 0.0, 'dyt', 'end', 'absolute')}[v]
         assert cfg['dyt_embed_scale'] == (v != 'dyt_noemb'), name  # DyT's embedding scalar: named in each DyT cell
+        assert cfg['dyt_alpha0_scale'] == (2.0 if v == 'dyt_a2' else 1.0), name
     # the longest run still fits in one pass of mix7's 18,508,995 training tokens (the refusal is train.py's)
     assert max(study.cell_config(a)['max_iters'] for a in cells.values()) * 16 <= (18_508_995 - 1) // 128
 
@@ -314,8 +317,8 @@ def test_blocks_2_to_6_run_at_block_1s_best_rates_in_the_order_of_priority():
 def test_the_declared_best_rates_are_block_1s_bracketed_best():
     with open(os.path.join(study.ROOT, 'study', 'results.json')) as f:
         cells = json.load(f)['cells']
-    grid = {n: a for n, a in study.MATRICES['ladder'].items()  # block 1: seed 1 of both
-            if n.split('-')[0] in ('baseline', 'internal') and n.endswith('-s1')}
+    grid = {n: a for p in study.LADDER_POINTS  # block 1: seed 1 of both
+            for n, a in study.ladder_cells(('baseline', 'internal'), *p, study.LADDER_LRS[p]).items()}
     measured = study.ladder_best({n: c for n, c in cells.items() if n in grid}, grid)
     for point, rates in study.LADDER_BEST.items():
         for v, lr in rates.items():
@@ -648,3 +651,34 @@ def test_part_4s_ema_grid_brackets_the_rate_tuned_with_end_at_every_point():
     # the ladder matrix holds the grid at the declared best rates; the cell part 3 ran is one of them
     assert set(study.ema_grid(study.LADDER_BEST)) <= set(study.MATRICES['ladder'])
     assert 'internal_ema-1M-t9M-lr0.008-s1' in study.ema_grid(study.LADDER_BEST)
+
+
+def test_part_4s_blocks_3_to_6_run_at_the_declared_rates():
+    best = {('1M', '3M'): {'baseline': 0.016, 'internal': 0.008}, ('1M', '9M'): {'baseline': 0.008, 'internal': 0.008}}
+    cells = study.part4_blocks(best, {('1M', '9M'): 0.004}, {('1M', '9M'): 0.004})
+    assert list(cells) == [
+        'baseline-1M-t9M-lr0.00566-s1', 'baseline-1M-t9M-lr0.0113-s1',            # 3: 0.008 / √2, 0.008 · √2
+        'internal_ema-1M-t9M-lr0.00283-s1', 'internal_ema-1M-t9M-lr0.00566-s1',   # 3: around 'ema''s own best
+        'baseline-1M-t3M-lr0.016-s2', 'baseline-1M-t3M-lr0.016-s3',               # 4: seeds at every point
+        'baseline-1M-t9M-lr0.008-s2', 'baseline-1M-t9M-lr0.008-s3',
+        'internal_ema-1M-t9M-lr0.004-s2', 'internal_ema-1M-t9M-lr0.004-s3',
+        'all_ema-1M-t9M-lr0.004-s1', 'all_ema-1M-t9M-lr0.004-s2', 'all_ema-1M-t9M-lr0.004-s3',  # 5
+        'dyt-1M-t9M-lr0.004-s2', 'dyt-1M-t9M-lr0.004-s3', 'dyt_a2-1M-t9M-lr0.004-s1']            # 6
+    cfg = study.cell_config(cells['all_ema-1M-t9M-lr0.004-s2'])
+    assert (cfg['taper'], cfg['calibration'], cfg['aux_weight'], cfg['seed'], cfg['max_iters']) == ('all', 'ema', 0.1, 2, 4500)
+    cfg = study.cell_config(cells['dyt_a2-1M-t9M-lr0.004-s1'])
+    assert (cfg['norm'], cfg['dyt_alpha0_scale'], cfg['dyt_embed_scale'], cfg['learning_rate']) == ('dyt', 2.0, True, 0.004)
+    assert study.cell_config(cells['baseline-1M-t9M-lr0.0113-s1'])['min_lr'] == pytest.approx(0.00113)
+    assert study.part4_blocks({}, {}, {}) == {}  # nothing runs before its rates are known
+    assert set(study.part4_blocks(study.LADDER_BEST, study.EMA_BEST, study.DYT_BEST)) <= set(study.MATRICES['ladder'])
+
+
+def test_the_declared_part_4_rates_are_bracketed_bests():
+    with open(os.path.join(study.ROOT, 'study', 'results.json')) as f:
+        cells = json.load(f)['cells']
+    for v, declared in (('internal_ema', study.EMA_BEST), ('dyt', study.DYT_BEST)):
+        for point, lr in declared.items():
+            grid = {n: [] for n in study.MATRICES['ladder'] if n.startswith(f'{v}-{point[0]}-t{point[1]}-') and n.endswith('-s1')}
+            best, _, note = study.ladder_best({n: c for n, c in cells.items() if n in grid}, grid)[point][v]
+            assert (best, note) == (lr, ''), (v, point)  # '': bracketed by a finished grid of three or more
+
