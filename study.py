@@ -476,19 +476,30 @@ def on_device(cells, device, study_dir):
     return {n: a + [f'--device={device}', '--dtype=float32'] for n, a in cells.items()}
 
 
+def cpu_model():
+    """The CPU's model name ('AMD EPYC', ...): /proc/cpuinfo's on Linux, else platform.processor()."""
+    try:
+        with open('/proc/cpuinfo') as f:
+            return next((line.split(':', 1)[1].strip() for line in f if line.startswith('model name')), '')
+    except OSError:
+        return platform.processor()
+
+
 def provenance(wall, threads, args, isa=''):
     """Where and with what a cell ran: git commit, torch, threads, the wall-time fields of
     close_segment ({'wall_s': seconds, ...}), device and dtype, and on
     a CPU the instruction set torch's kernels used (AVX2, AVX512, ...): two hosts with the same
     torch can round differently, so a cell rerun elsewhere matches only to within float noise,
     which training amplifies (docs/results.md, the machine effect); with the pins of cpu_pins(isa)
-    that set it, where the cell ran pinned."""
+    that set it, where the cell ran pinned; and the host itself (host_cpu: its model name;
+    host_capability: what its kernels use unpinned), so that cells are compared like with like."""
     cfg = cell_config(args)
     dev, dtype = resolve_device(cfg['device'], cfg['dtype'])
     where = f"{dev}: {torch.cuda.get_device_name(dev)}" if dev.startswith('cuda') else dev
     pins = cpu_pins(isa)
     cpu = {} if dev.startswith('cuda') else dict(
-        cpu_capability=isa.upper() if pins else torch.backends.cpu.get_cpu_capability(), **({'cpu_pins': pins} if pins else {}))
+        cpu_capability=isa.upper() if pins else torch.backends.cpu.get_cpu_capability(), **({'cpu_pins': pins} if pins else {}),
+        host_cpu=cpu_model(), host_capability=torch.backends.cpu.get_cpu_capability())  # the driver runs unpinned
     return dict(git_commit=git_commit(), torch=torch.__version__, threads=threads, **wall,
                 device=where, dtype=dtype, tf32=uses_tf32(dev, dtype), **cpu)
 

@@ -626,6 +626,11 @@ def test_cpu_isa_pins_every_cells_kernels_and_the_record_says_so(tiny_matrix, tm
     assert {k: train_env.get(k) for k in pins} == pins
     record = data['cells']['baseline-end-s1']
     assert record['cpu_capability'] == 'AVX2' and record['cpu_pins'] == pins
+    # and the host it ran on, unpinned: this process's own kernels, and the model name /proc/cpuinfo gives
+    assert record['host_capability'] == torch.backends.cpu.get_cpu_capability()
+    if os.path.exists('/proc/cpuinfo'):
+        names = [ln.split(':')[1].strip() for ln in open('/proc/cpuinfo') if ln.startswith('model name')]
+        assert record['host_cpu'] == names[0] != ''
     with pytest.raises(ValueError, match="cpu_isa='avx512'"):
         study.cpu_pins('avx512')
     assert study.cpu_pins('') == {}  # unpinned: the machine's own kernels
