@@ -383,8 +383,10 @@ def resume_command(out_dir, world):
     return f'{launch} --init_from=resume --out_dir={out_dir}'
 
 
-class Cut(Exception):
-    """Raised inside StopSignal.cut_short's work by the first signal: the work is abandoned."""
+class Cut(BaseException):
+    """Raised inside StopSignal.cut_short's work by the first signal: the work is abandoned. A
+    BaseException, as KeyboardInterrupt is: the signal can land inside library code that catches
+    Exception (tqdm starting its monitor thread warns and goes on), which must not swallow it."""
 
 
 def say(line):

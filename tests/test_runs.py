@@ -262,6 +262,24 @@ def started():
         proc.wait()
 
 
+def test_a_signal_cuts_work_short_even_inside_code_that_catches_exception(capfd):
+    """The first signal abandons cut_short's work wherever it lands, also inside a library's
+    `except Exception` (tqdm's monitor thread start caught it once, and the evaluation of a
+    million batches went on)."""
+    def work():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # delivered here, before the sleep returns
+            time.sleep(5)
+        except Exception:
+            pass
+        return 'finished'
+    with runs.StopSignal() as stop:
+        t0 = time.perf_counter()
+        assert stop.cut_short('the evaluation at iteration 0', work) == (None, True)
+        assert time.perf_counter() - t0 < 4 and stop.received == signal.SIGINT
+    assert 'SIGINT: cutting the evaluation at iteration 0 short' in capfd.readouterr().err
+
+
 def test_ctrl_c_during_an_evaluation_is_answered_and_cuts_it_short(toy_data, tmp_path, started):
     """A real Ctrl-C in an evaluation of a million batches: one line at once, then the checkpoint
     of the step before it, one line, exit 130, no traceback."""
