@@ -114,6 +114,11 @@ def ladder_cells(variants, size, budget, lrs, seeds=(1,)):
             for v, lr, s in itertools.product(variants, lrs, seeds)}
 
 
+def point_cells(v, point, lrs, seeds=(1,)):
+    """ladder_cells of one variant v at one (size, budget) point."""
+    return ladder_cells((v,), *point, lrs, seeds)
+
+
 # block 1's learning-rate grid at each (size, budget), the same for both variants, extended where
 # the baseline was still improving at the largest rate: 6.4e-2 at the 0.4M model's 3M point
 # (3.2e-2: 4.7492 -> 4.7293), 3.2e-2 at the 1M model's (1.6e-2: 4.5885 -> 4.5426)
@@ -152,7 +157,7 @@ def ladder_blocks(best):
     (6) the relative anchor (beyond the paper) at EMA_POINT at the baseline's best rate, seeds 1-2,
     and at twice Internal-Taper's best, where the absolute anchor falls off (seed 1), each beside
     the absolute cell at its rate."""
-    at = lambda v, point, lrs, seeds=(1,): ladder_cells((v,), *point, lrs, seeds)
+    at = point_cells
     blocks = [[at(v, p, (best[p][v],), (2, 3)) for p in LONG_POINTS if p in best for v in ('baseline', 'internal')],
               [at('internal_ema', p, (best[p]['internal'],), (1, 2, 3)) for p in (EMA_POINT,) if p in best],
               [at('all', p, (best[p]['internal'],)) for p in LADDER_POINTS if p in best],
@@ -192,7 +197,7 @@ def part4_blocks(best, ema_best, dyt_best):
     mid = lambda lr: [float(f'{lr * f:.3g}') for f in (2 ** -0.5, 2 ** 0.5)]
     rates = lambda p: {**({'baseline': best[p]['baseline']} if p in best else {}),
                        **({'internal_ema': ema_best[p]} if p in ema_best else {})}
-    at = lambda v, p, lrs, seeds=(1,): ladder_cells((v,), *p, lrs, seeds)
+    at = point_cells
     blocks = [[at(v, p, mid(lr)) for p in LONG_POINTS for v, lr in rates(p).items()],
               [at(v, p, (lr,), (2, 3)) for p in LADDER_POINTS for v, lr in rates(p).items()],
               [at('all_ema', p, (ema_best[p],), (1, 2, 3)) for p in LONG_POINTS if p in ema_best],
