@@ -181,7 +181,7 @@ def ema_grid(best):
 # part 4's best rates, each bracketed, entered as each grid finishes (test_study checks every entry
 # against study/results.json); blocks 3-6 run at them. 'ema' Internal-Taper's come from block 2
 # (ema_grid); DyT's from part 3's block 5 (DYT_LRS)
-EMA_BEST = {('0.4M', '3M'): 1.6e-2, ('1M', '3M'): 8e-3, ('1M', '9M'): 8e-3}
+EMA_BEST = {('0.4M', '3M'): 1.6e-2, ('1M', '3M'): 8e-3, ('1M', '9M'): 8e-3, ('0.4M', '18M'): 1.6e-2}
 DYT_BEST = {('1M', '9M'): 4e-3, ('0.4M', '18M'): 8e-3}
 
 
