@@ -80,7 +80,7 @@ def ladder_plot(plt, results_path, out, title):
     cells = {n: done[n] for n in args if n in done}
     if not cells:
         raise SystemExit(f"{results_path} holds no cell of the ladder matrices ({', '.join(study.LADDER_MATRICES)})")
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fig, ax = plt.subplots(figsize=(11, 5.5))
     ax.axhspan(*PAPER_GAP, color='0.85', zorder=0, label='paper: +0.7 to +1.8 % (budget not public)')
     ax.axhline(0, color='0.4', lw=0.8)
     lines = {}
@@ -127,7 +127,7 @@ def ladder_plot(plt, results_path, out, title):
     ax.set_xlabel('tokens seen (each variant at its best learning rate; beside each point: its final val loss)')
     ax.set_title(title or 'TaperNorm against the budget (mix7, read once)', fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc='upper left', bbox_to_anchor=(1.01, 1))  # outside: DyT's points sit high
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=110)
