@@ -206,6 +206,12 @@ def part4_blocks(best, ema_best, dyt_best):
     return {n: a for block in blocks for cells in block for n, a in cells.items()}
 
 
+# part 4's block 7: the ladder's third rung, the 3M model (n_embd 128, n_head 4) at 3M and 9M tokens,
+# the baseline and 'ema' Internal-Taper, seed 1, at a factor-2 grid around the 1M model's best rates
+RUNG_POINTS = (('3M', '3M'), ('3M', '9M'))
+RUNG_LRS = (4e-3, 8e-3, 1.6e-2)
+
+
 LRS = (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)  # 1.6e-2: the baseline was still improving at 8e-3
 SHORT = ['--gate_warmup_iters=20', '--taper_iters=50']  # W = 20, T = 50 in the same 1500-step run
 MATRICES = {
@@ -256,7 +262,8 @@ MATRICES = {
     'ladder': {**ladder_cells(('baseline', 'internal'), '1M', '9M', (8e-3,)),
                **{n: a for size, budget in LADDER_POINTS
                   for n, a in ladder_cells(('baseline', 'internal'), size, budget, LADDER_LRS[size, budget]).items()},
-               **ladder_blocks(LADDER_BEST), **ema_grid(LADDER_BEST), **part4_blocks(LADDER_BEST, EMA_BEST, DYT_BEST)},
+               **ladder_blocks(LADDER_BEST), **ema_grid(LADDER_BEST), **part4_blocks(LADDER_BEST, EMA_BEST, DYT_BEST),
+               **{n: a for p in RUNG_POINTS for n, a in ladder_cells(('baseline', 'internal_ema'), *p, RUNG_LRS).items()}},
     # a two-cell matrix of a few seconds on the toy data of the tests
     'tiny': {f'{v}-end-s1': ['--dataset=toy', '--device=cpu', '--n_layer=1', '--n_head=1', '--n_embd=16',
                              '--block_size=16', '--batch_size=2', '--gradient_accumulation_steps=1',

@@ -266,14 +266,15 @@ def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_o
     tokens_per_step = 16 * 128  # config/cpu.py: batch 16 × context 128, one process
     cells = study.MATRICES['ladder']
     part4 = study.part4_blocks(study.LADDER_BEST, study.EMA_BEST, study.DYT_BEST)  # block 3's midpoints
-    block1 = [n for n in cells if n.split('-')[0] in ('baseline', 'internal') and n.endswith('-s1') and n not in part4]
+    block1 = [n for n in cells if n.split('-')[0] in ('baseline', 'internal') and n.endswith('-s1') and n not in part4
+              and n.split('-')[1] != '3M']
     assert len(block1) == 2 * (4 * 3 + 2)  # two variants × four points × three rates, two points a fourth
     for name, args in cells.items():
         cfg = study.cell_config(args)
         v, size, budget, lr, seed = name.split('-')
         assert (cfg['dataset'], cfg['sampler'], cfg['seed']) == ('mix7', 'epoch', int(seed[1:])), name
         assert (cfg['n_embd'], cfg['n_head'], cfg['n_layer'], cfg['block_size']) == \
-            {'0.4M': (32, 1, 8, 128), '1M': (64, 2, 8, 128)}[size], name
+            {'0.4M': (32, 1, 8, 128), '1M': (64, 2, 8, 128), '3M': (128, 4, 8, 128)}[size], name
         n = cfg['max_iters']
         assert abs(n * tokens_per_step / {'t3M': 3e6, 't9M': 9e6, 't18M': 18e6}[budget] - 1) < 0.03, name
         # config/cpu.py's proportions: W and the LR warmup 10 %, T 50 %, decay to the end, min_lr = lr / 10
@@ -288,6 +289,10 @@ def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_o
             'dyt_a2': ('none', 0.0, 'dyt', 'end', 'absolute')}[v]
         assert cfg['dyt_embed_scale'] == (v != 'dyt_noemb'), name  # DyT's embedding scalar: named in each DyT cell
         assert cfg['dyt_alpha0_scale'] == (2.0 if v == 'dyt_a2' else 1.0), name
+    # block 7, the 3M rung: two variants × two budgets × three rates, seed 1, and nothing else at that size
+    rung = {n for n in cells if n.split('-')[1] == '3M'}
+    assert rung == {f'{v}-3M-{t}-lr{lr}-s1' for v in ('baseline', 'internal_ema') for t in ('t3M', 't9M')
+                    for lr in ('0.004', '0.008', '0.016')}
     # the longest run still fits in one pass of mix7's 18,508,995 training tokens (the refusal is train.py's)
     assert max(study.cell_config(a)['max_iters'] for a in cells.values()) * 16 <= (18_508_995 - 1) // 128
 
