@@ -98,13 +98,14 @@ def ladder_plot(plt, results_path, out, title):
                                                         bool(note or base[2])))  # a best rate not yet settled
     variants = list(study.VARIANTS7)  # each variant keeps its colour as others join the plot
     labels = []  # (tokens, gap, text, colour): each point's val loss, written once the lines are drawn
+    sizes = sorted({s for s, _ in lines}, key=lambda s: float(s[:-1]))  # each size its marker and line style
     for (size, v), points in sorted(lines.items()):
         points.sort()
         xs = [p[0] for p in points]
         ys = [sum(p[1]) / len(p[1]) for p in points]
         err = [statistics.stdev(p[1]) if len(p[1]) > 1 else 0 for p in points]  # the tables' ± sd
-        marker, color = 'os^v'[sorted({s for s, _ in lines}).index(size) % 4], f'C{variants.index(v)}'
-        ax.errorbar(xs, ys, yerr=err, marker=marker, capsize=3, color=color, ls='-' if size == '1M' else '--',
+        marker, ls, color = 'os^v'[sizes.index(size) % 4], ('--', '-', ':', '-.')[sizes.index(size) % 4], f'C{variants.index(v)}'
+        ax.errorbar(xs, ys, yerr=err, marker=marker, capsize=3, color=color, ls=ls,
                     label=f'{v}, {size} model')
         for x, y, p in zip(xs, ys, points):
             labels.append((x, y, f"{sum(p[2]) / len(p[2]):.3f}", color))

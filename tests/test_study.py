@@ -569,6 +569,25 @@ def test_the_ladder_plot_draws_each_variants_paired_gap_against_tokens(tmp_path,
     plt.close('all')
 
 
+def test_the_ladder_plot_gives_each_model_size_its_own_marker_and_line_style(tmp_path, monkeypatch):
+    pytest.importorskip('matplotlib')
+    import matplotlib.pyplot as plt
+    import plot
+    sizes = ('3M', '0.4M', '1M')  # the order of the sizes is by parameters, not by name
+    monkeypatch.setitem(study.MATRICES, 'ladder', {n: a for size in sizes for n, a in study.ladder_cells(
+        ('baseline', 'internal'), size, '3M', (8e-3,)).items()})
+    cells = {n: {'status': 'finished', 'final_val_loss': 4.8 if n.startswith('baseline') else 4.7}
+             for n in study.MATRICES['ladder']}
+    (tmp_path / 'results.json').write_text(json.dumps({'cells': cells}))
+    plot.main([f'--ladder={tmp_path / "results.json"}', f'--out={tmp_path / "l.png"}'])
+    handles, labels = plt.gcf().axes[0].get_legend_handles_labels()
+    style = {lab: (h.lines[0].get_marker(), h.lines[0].get_linestyle()) for h, lab in zip(handles[1:], labels[1:])}
+    assert sorted(style) == ['internal, 0.4M model', 'internal, 1M model', 'internal, 3M model']
+    assert all(len({st[k] for st in style.values()}) == 3 for k in (0, 1))  # three markers, three line styles
+    assert style['internal, 1M model'][1] == '-'  # the 1M model: solid, as before
+    plt.close('all')
+
+
 def test_the_ladder_plots_labels_of_one_budget_never_overlap(tmp_path):
     pytest.importorskip('matplotlib')
     import matplotlib.pyplot as plt
