@@ -104,7 +104,8 @@ def ladder_plot(plt, results_path, out, title):
         xs = [p[0] for p in points]
         ys = [sum(p[1]) / len(p[1]) for p in points]
         err = [statistics.stdev(p[1]) if len(p[1]) > 1 else 0 for p in points]  # the tables' ± sd
-        marker, ls, color = 'os^v'[sizes.index(size) % 4], ('--', '-', ':', '-.')[sizes.index(size) % 4], f'C{variants.index(v)}'
+        k = sizes.index(size) % 4
+        marker, ls, color = 'os^v'[k], ('--', '-', ':', '-.')[k], f'C{variants.index(v)}'
         ax.errorbar(xs, ys, yerr=err, marker=marker, capsize=3, color=color, ls=ls,
                     label=f'{v}, {size} model')
         for x, y, p in zip(xs, ys, points):

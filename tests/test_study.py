@@ -574,7 +574,7 @@ def test_the_ladder_plot_gives_each_model_size_its_own_marker_and_line_style(tmp
     pytest.importorskip('matplotlib')
     import matplotlib.pyplot as plt
     import plot
-    sizes = ('3M', '0.4M', '1M')  # the order of the sizes is by parameters, not by name
+    sizes = ('3M', '0.4M', '1M')  # given out of order: the plot orders them itself
     monkeypatch.setitem(study.MATRICES, 'ladder', {n: a for size in sizes for n, a in study.ladder_cells(
         ('baseline', 'internal'), size, '3M', (8e-3,)).items()})
     cells = {n: {'status': 'finished', 'final_val_loss': 4.8 if n.startswith('baseline') else 4.7}
