@@ -213,6 +213,17 @@ def part4_blocks(best, ema_best, dyt_best):
 # tokens, where part 3's best rates were no larger than at 3M, the grid moves down to 2e-3-8e-3
 RUNG_POINTS = (('3M', '3M'), ('3M', '9M'))
 RUNG_LRS = {('3M', '3M'): (2e-3, 4e-3, 8e-3, 1.6e-2), ('3M', '9M'): (2e-3, 4e-3, 8e-3)}
+# part 5: seeds 2 and 3 of both variants at their bracketed best rate of each 3M point, entered as
+# each grid finishes (at 3M tokens both were best at 4e-3: baseline 4.5695, 4.4429, 4.5689 at
+# 2e-3, 4e-3, 8e-3; 'ema' 4.4306, 4.3133, 4.4021)
+RUNG_BEST = {('3M', '3M'): {'baseline': 4e-3, 'internal_ema': 4e-3}}
+
+
+def rung_seeds(best):
+    """{cell name: train.py arguments} of seeds 2 and 3 of each variant at its best rate at each
+    point of best ({(size, budget): {variant: lr}})."""
+    return {n: a for p, rates in best.items() for v, lr in rates.items()
+            for n, a in point_cells(v, p, (lr,), (2, 3)).items()}
 
 
 LRS = (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)  # 1.6e-2: the baseline was still improving at 8e-3
@@ -266,7 +277,8 @@ MATRICES = {
                **{n: a for size, budget in LADDER_POINTS
                   for n, a in ladder_cells(('baseline', 'internal'), size, budget, LADDER_LRS[size, budget]).items()},
                **ladder_blocks(LADDER_BEST), **ema_grid(LADDER_BEST), **part4_blocks(LADDER_BEST, EMA_BEST, DYT_BEST),
-               **{n: a for p in RUNG_POINTS for n, a in ladder_cells(('baseline', 'internal_ema'), *p, RUNG_LRS[p]).items()}},
+               **{n: a for p in RUNG_POINTS for n, a in ladder_cells(('baseline', 'internal_ema'), *p, RUNG_LRS[p]).items()},
+               **rung_seeds(RUNG_BEST)},
     # a two-cell matrix of a few seconds on the toy data of the tests
     'tiny': {f'{v}-end-s1': ['--dataset=toy', '--device=cpu', '--n_layer=1', '--n_head=1', '--n_embd=16',
                              '--block_size=16', '--batch_size=2', '--gradient_accumulation_steps=1',
