@@ -14,7 +14,7 @@ Everything the method adds lives here, each in one place:
 - `GPT.set_collect`, `GPT.calibrate`
                                 the calibrate event: c, s_tgt, γ̃ ← γ          (docs/method.md §2–§4)
 - `GPT.calibration_step`        calibration='ema': per-step EMA of the statistics (docs/method.md §3)
-- `GPT.branch_mismatch`         ‖L − N‖/‖N‖ where the taper starts              (docs/method.md §3)
+- `branch_mismatch`             ‖L − N‖/‖N‖ where the taper starts              (docs/method.md §3)
 - `aux_loss`                    the scale-anchor loss L_aux on h before ln_f  (docs/method.md §4)
 - `RadialCos`                   cos(∂CE/∂h, h) at the pre-logit state: logit chasing's signature (§4)
 - `TaperScale`, `unfused`       g = 0 kept as one precomputed multiply         (docs/method.md §5)
@@ -597,18 +597,6 @@ class GPT(nn.Module):
         self.calibrated.fill_(True)
         return {'c': cs, 's_tgt': self.s_tgt.item()}
 
-    @torch.no_grad()
-    def branch_mismatch(self):
-        """{layer name: ‖L(h) − N(h)‖ / ‖N(h)‖} over every token of the forwards run under
-        set_collect('mismatch') (all-reduced over ranks): how far the linear branch the taper
-        starts from is from the normalizing branch it replaces (docs/method.md §3). The sums are reset.
-        Raises RuntimeError if nothing was collected."""
-        norms = self.tapernorms()
-        sums = all_reduce_sums([m.mismatch_sums for _, m in norms])
-        if any(ref.item() == 0 for _, ref in sums):
-            raise RuntimeError("branch_mismatch() before any forward under set_collect('mismatch')")
-        return {name: (err / ref).sqrt().item() for (name, _), (err, ref) in zip(norms, sums)}
-
     def forward(self, idx, targets=None, input_pos=None):
         """idx: (B, T) token ids, T <= block_size; targets: (B, T) ids or None (-1 = ignore).
 
@@ -711,16 +699,29 @@ class GPT(nn.Module):
         rest = decode_n_tokens(self, tok, torch.tensor([T0], device=idx.device), max_new_tokens - 1, *sampling)
         return torch.cat([idx, tok, *rest], dim=1)
 
-    @torch.no_grad()
-    def implied_phase(self):
-        """The phase the buffers imply, for a loaded checkpoint: 'baseline' (taper='none'),
-        'warmup' (not calibrated), 'taper' (g > 0) or 'linear' (g = 0; the taper phase never
-        has g = 0, docs/method.md §2)."""
-        if self.config.taper == 'none':
-            return 'baseline'
-        if not self.calibrated:
-            return 'warmup'
-        return 'taper' if self.gate.item() > 0 else 'linear'
+@torch.no_grad()
+def branch_mismatch(model):
+    """{layer name: ‖L(h) − N(h)‖ / ‖N(h)‖} over every token of the forwards run under
+    set_collect('mismatch') (all-reduced over ranks): how far the linear branch the taper
+    starts from is from the normalizing branch it replaces (docs/method.md §3). The sums are reset.
+    Raises RuntimeError if nothing was collected."""
+    norms = model.tapernorms()
+    sums = all_reduce_sums([m.mismatch_sums for _, m in norms])
+    if any(ref.item() == 0 for _, ref in sums):
+        raise RuntimeError("branch_mismatch() before any forward under set_collect('mismatch')")
+    return {name: (err / ref).sqrt().item() for (name, _), (err, ref) in zip(norms, sums)}
+
+
+@torch.no_grad()
+def implied_phase(model):
+    """The phase the buffers imply, for a loaded checkpoint: 'baseline' (taper='none'),
+    'warmup' (not calibrated), 'taper' (g > 0) or 'linear' (g = 0; the taper phase never
+    has g = 0, docs/method.md §2)."""
+    if model.config.taper == 'none':
+        return 'baseline'
+    if not model.calibrated:
+        return 'warmup'
+    return 'taper' if model.gate.item() > 0 else 'linear'
 
 
 def unfused(model):

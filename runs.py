@@ -8,12 +8,15 @@ atomically, read by one loader, a model built from one). From a user's side they
 docs/runs.md.
 """
 
+import functools
 import json
 import os
 import signal
+import sys
 import threading
+import time
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
 import numpy as np
@@ -26,7 +29,7 @@ except ImportError:
     fcntl = None
 
 from configurator import ConfigError, parse_args, resolve_device, set_tf32
-from model import ABSENT_MEANS, GPT, GPTConfig
+from model import ABSENT_MEANS, GPT, GPTConfig, implied_phase
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -403,11 +406,11 @@ class StopSignal:
     training step, the calibrate event, a checkpoint being written) finishes, then the loop saves
     and stops. `received` is that signal. A second signal ends the process at once without
     saving (exit 130 / 143), in one line: out_dir/ckpt.pt keeps the last checkpoint written.
-    `talk`: whether this process prints (rank 0 under DDP)."""
+    `talk`: whether this process prints (rank 0 under DDP). A run's stop is built on it (Run)."""
 
-    def __init__(self, talk=True):
+    def __init__(self, talk=True, doing='the step in progress'):
         self.talk, self.received, self.previous = talk, None, {}
-        self.doing, self.cuttable = 'the step in progress', False
+        self.doing, self.cuttable = doing, False  # doing: text, or a function giving it when a signal lands
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
@@ -422,7 +425,8 @@ class StopSignal:
             os._exit(130 if signum == signal.SIGINT else 143)  # no cleanup: nothing may delay it
         self.received = signum
         if self.talk:
-            say(f"{name}: {'cutting ' + self.doing + ' short' if self.cuttable else 'finishing ' + self.doing}, "
+            doing = self.doing() if callable(self.doing) else self.doing
+            say(f"{name}: {'cutting ' + doing + ' short' if self.cuttable else 'finishing ' + doing}, "
                 f"then saving and stopping (Ctrl-C again stops at once, without saving)")
         if self.cuttable:
             raise Cut
@@ -430,14 +434,16 @@ class StopSignal:
     def cut_short(self, doing, work, *args):
         """(work(*args), False), or (None, True) when a signal arrived before or during it: then
         the work is abandoned at once, wherever it is (it must be work whose result the run can
-        do without, and that leaves the model as it found it, e.g. through try/finally)."""
+        do without, and that leaves the model as it found it, e.g. through try/finally). Afterwards
+        `doing` is what it was before."""
+        before = self.doing
         try:
             try:
                 self.doing, self.cuttable = doing, True
                 if self.received is None:
                     return work(*args), False
             finally:
-                self.cuttable = False
+                self.doing, self.cuttable = before, False
         except Cut:
             pass
         return None, True
@@ -531,7 +537,7 @@ def model_from_state_dict(state_dict, model_args):
     in the phase its buffers imply."""
     model = GPT(GPTConfig(**model_args))
     model.load_state_dict(state_dict)
-    model.set_phase(model.implied_phase())
+    model.set_phase(implied_phase(model))
     return model.eval()
 
 def load_model(path, device='cpu'):
@@ -541,3 +547,188 @@ def load_model(path, device='cpu'):
     memory) comes from .to(device) as itself, not as "not a readable checkpoint"."""
     ckpt = load_checkpoint(path)
     return model_from_state_dict(ckpt['model'], ckpt['model_args']).to(device), ckpt
+
+
+# ---- the run: everything around train.py's loop, and what a signal does at each point of it ----
+
+class Run:
+    """The plumbing of one train.py run, so that its loop shows only the method: the run folder
+    (claimed: claim_out_dir), checkpoints (atomic: save_checkpoint), the log, the estimates
+    (Progress), evaluations when they are due, the end of the run, and what SIGINT (Ctrl-C) and
+    SIGTERM do at each point (a StopSignal), with every rank of a DDP run stopping together.
+
+        with Run(cfg, env, folder, iter_num, state, hint) as run:
+            while run.iter_num < cfg.max_iters:
+                it = run.iter_num
+                record = run.evaluate(it, estimate)          # {'val_loss': ...} when due, else {}
+                t0 = time.perf_counter()
+                stats = train_step(..., it, run.stop_asked)  # the step's all-reduce carries the flag
+                dt_s = run.step_took(it, t0, synchronize)
+                run.log({...})
+                with run.during(f'the calibrate event after iteration {it}'):
+                    ...
+                run.end_iteration(it, stats['stop'])         # where a signal stops the run
+            run.finish(phase, final_losses)                  # last checkpoint, final losses, record
+
+    state() gives what a checkpoint holds besides iter_num, config and world (model, optimizer,
+    model_args, meta). iter_num: the iteration the run starts at (a resumed run's checkpoint's).
+
+    The contract. The first signal prints one line at once (on stderr, rank 0) naming what the
+    run finishes or cuts short; the run then writes the checkpoint of every finished step,
+    prints one line with the iteration it resumes at and the command that resumes it, and exits
+    with 130 (SIGINT) or 143 (SIGTERM), on every rank, with no traceback. Where it lands:
+    - before the loop (building, compiling: the context is entered): the first iteration begins
+      as usual; its evaluation, when due, is cut at once (below), else its step runs and the run
+      stops after it.
+    - during an evaluation (only rank 0 evaluates): cut short at once; the checkpoint of the
+      iteration it precedes is written (the resumed run evaluates again). One process stops
+      there. Under DDP rank 0 still takes part in the rest of that iteration, its step (whose
+      all-reduce tells every rank to stop), the warmup's statistics and the calibrate event,
+      so that every collective the other ranks enter is met; it logs nothing more, and every
+      rank stops at the end of the iteration, rank 0 keeping the checkpoint written before it.
+    - during a step, the warmup statistics, the log or the calibrate event: the iteration
+      finishes, its checkpoint (resuming at the next iteration) is written, the run stops.
+      Under DDP the ranks agree through the step's all-reduce, which carries each rank's flag
+      (stop_asked): a signal after that point is carried by the next step, which is then the
+      last (the first line names it), or by the final checkpoint after the last step.
+    - after the last step, while the final checkpoint is written: it is written whole, then the
+      run stops (the resumed run computes the final losses).
+    - during the final losses: one process cuts them short and stops (the last step's checkpoint
+      is already written); under DDP they run to their end (their all-reduce), the final record
+      is written and the run, complete, stops with one line saying so.
+    - a second signal, anywhere: the process ends at once without saving, in one line; the
+      checkpoint written last is whole (written atomically).
+    """
+
+    def __init__(self, cfg, env, folder, iter_num, state, hint=''):
+        self.cfg, self.env, self.state, self.iter_num = cfg, env, state, iter_num
+        self.lock = claim_out_dir(cfg, iter_num) if env.master else None  # held until the process ends
+        self.ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
+        self.progress = Progress(cfg, env, folder, hint)
+        self.signals = StopSignal(talk=env.master, doing=self.doing)
+        self.current, self.asked, self.cut_at, self.said = None, False, None, set()
+
+    def __enter__(self):
+        self.signals.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.signals.__exit__(*exc)
+        self.signals.doing = None  # the bound method's cycle would keep the lock after the run returns
+
+    def doing(self):
+        """What the run is doing, for the first signal's line (StopSignal)."""
+        it = self.iter_num
+        if self.env.ddp and self.asked:  # the step's all-reduce has passed: the next one carries the signal
+            it += 1
+        elif self.current is not None:
+            return self.current
+        return f'iteration {it}' if it < self.cfg.max_iters else 'the final checkpoint'
+
+    @contextmanager
+    def during(self, what):
+        """A context in which a signal's first line says the run finishes `what` (e.g. the calibrate event)."""
+        self.current = what
+        try:
+            yield
+        finally:
+            self.current = None
+
+    def stop_asked(self):
+        """Whether this process has received a signal, read by train_step as late as it can be (its
+        all-reduce then tells every rank): from here on a signal stops the run after the next step."""
+        self.asked = True
+        return self.signals.received is not None
+
+    def save(self, iter_num):
+        """The checkpoint that resumes at iter_num (rank 0), written atomically."""
+        if self.env.master:
+            save_checkpoint({**self.state(), 'iter_num': iter_num, 'config': vars(self.cfg),
+                             'world': self.env.world}, self.ckpt_path)
+
+    def log(self, record):
+        """log(record) unless rank 0 cut this iteration's evaluation under DDP: its checkpoint
+        resumes before the iteration, so nothing of it is logged."""
+        if self.cut_at is None:
+            log(record, self.cfg, self.env)
+
+    def say_once(self, key, line):
+        """line on stderr (rank 0), the first time key is said."""
+        if key not in self.said and self.env.master:
+            self.said.add(key)
+            print(line, file=sys.stderr, flush=True)
+
+    def stop(self, when, resume_at, save=True):
+        """After a signal: the checkpoint that resumes at resume_at (save=False: it is written
+        already), one line saying when the run stopped and how it continues, SystemExit 130
+        (SIGINT) or 143 (SIGTERM)."""
+        if save:
+            self.save(resume_at)
+        if self.env.master:
+            say(f"stopped by {signal.Signals(self.signals.received or signal.SIGTERM).name} {when}: saved in "
+                f"{self.ckpt_path}, which resumes at iteration {resume_at}; continue with: "
+                f"{resume_command(self.cfg.out_dir, self.env.world)}")
+        raise SystemExit(130 if self.signals.received == signal.SIGINT else 143)
+
+    def evaluate(self, it, estimate):
+        """When due (it a multiple of eval_interval), on rank 0: the validation loss
+        estimate(first_batch) (train.estimate_val_loss, first_batch timing its first batch for
+        Progress), then the checkpoint of iteration it. Returns {'val_loss': loss}, or {} when it
+        is not due, on other ranks, or when a signal cut it short (the class's contract)."""
+        if it % self.cfg.eval_interval or not self.env.master:
+            return {}
+        if self.progress.batch_s is None:  # the first evaluation: nothing printed yet says how long it takes
+            print(f"evaluating at iteration {it}: val loss over {self.cfg.eval_iters} batches of "
+                  f"{self.cfg.batch_size} × {self.cfg.block_size} tokens", flush=True)
+        val, cut = self.signals.cut_short(f'the evaluation at iteration {it}', estimate,
+                                          functools.partial(self.progress.evaluation_batch, it))
+        self.save(it)
+        if cut and not self.env.ddp:
+            self.stop(f'during the evaluation at iteration {it}', it, save=False)
+        if cut:  # DDP: the other ranks' collectives of this iteration are met first (end_iteration)
+            self.cut_at = it
+        return {} if cut else {'val_loss': val}
+
+    def step_took(self, it, t0, synchronize):
+        """Seconds since t0 (perf_counter) of training step it, for Progress and its log record; on
+        CUDA, synchronize=True waits for the device first (logged steps only: one sync less per step)."""
+        if synchronize and self.env.device_type == 'cuda':
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        self.progress.step(it, seconds)
+        return seconds
+
+    def end_iteration(self, it, stop):
+        """Iteration it is done: iter_num becomes it + 1, or the run stops here after a signal.
+        stop: the step's agreed flag (train_step's, all-reduced); one process reads its own signal,
+        so one that landed after the step (in its log, its calibrate event) stops it here too."""
+        self.iter_num, self.asked = it + 1, False
+        if self.cut_at == it:
+            self.stop(f'during the evaluation at iteration {it}', it, save=False)
+        if stop if self.env.ddp else self.signals.received is not None:
+            self.stop(f'after iteration {it}', self.iter_num)  # keep every finished step
+
+    def finish(self, phase, final_losses):
+        """The end of the run: the checkpoint of iter_num, then final_losses() ((val, train),
+        runs.final_losses) and the final record, in which the model is in `phase`. Signals: the
+        class's contract."""
+        cfg, env = self.cfg, self.env
+        self.save(self.iter_num)
+        if self.signals.received is not None:
+            self.stop('after the last iteration', self.iter_num, save=False)
+        if env.master:
+            print(f"final losses: the whole val split and as many train windows, {self.progress.final_batches} "
+                  f"batches of {cfg.batch_size} × {cfg.block_size} tokens", flush=True)
+        with self.during('the final losses'):
+            # under DDP the ranks must agree on their all-reduces: the final losses run to the end there
+            losses, cut = ((final_losses(), False) if env.ddp else
+                           self.signals.cut_short('the final losses', final_losses))
+        if cut:
+            self.stop('during the final losses', self.iter_num, save=False)
+        self.log({'iter': self.iter_num, 'phase': phase, 'final_val_loss': losses[0], 'final_train_loss': losses[1],
+                  'device': env.dev, 'dtype': env.dtype, 'tf32': env.tf32})
+        if self.signals.received is not None:  # after the final losses (DDP): the run is complete
+            if env.master:
+                say(f"stopped by {signal.Signals(self.signals.received).name} after the final losses: the run in "
+                    f"{cfg.out_dir} is complete")
+            raise SystemExit(130 if self.signals.received == signal.SIGINT else 143)

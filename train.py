@@ -31,7 +31,6 @@ except keys set explicitly, which must agree with it.
 import functools
 import math
 import os
-import signal
 import sys
 import time
 from types import SimpleNamespace
@@ -43,10 +42,9 @@ from tqdm import tqdm
 from baselines import DYT_SATURATED, FAKELN_EVENTS, fakeln_step, final_dyt_saturated, remove_norms
 from configurator import ConfigError, check_compiler, configure, defaults_of, keys_set, overlay_rank
 from gpt2 import GPT2_MODELS, PRETRAINED_SHAPE, PretrainedError, from_pretrained, pretrained_args
-from model import GPT, GPTConfig
-from runs import (Progress, StopSignal, batch_rng, claim_out_dir, compile_model, end_processes, final_losses,
-                  final_record, find_dataset, log, model_from_state_dict, resume_command, resume_config,
-                  save_checkpoint, setup, windows, wrap_ddp)
+from model import GPT, GPTConfig, branch_mismatch
+from runs import (Run, batch_rng, compile_model, end_processes, final_losses, final_record, find_dataset,
+                  model_from_state_dict, resume_command, resume_config, setup, windows, wrap_ddp)
 
 # -----------------------------------------------------------------------------
 # data
@@ -311,12 +309,16 @@ def build_model(cfg, model_args, ckpt, env):
     return model, optimizer
 
 
+STEP_METRICS = ('loss', 'ce', 'aux', 'hidden_rms', 'logit_rms', 'radial_cos')  # a step's means, logged
+
+
 def train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stop=None):
     """One optimizer step over gradient_accumulation_steps micro-batches. Returns the step's
     means over micro-batches and ranks {loss, ce, aux, hidden_rms, logit_rms, radial_cos},
     grad_norm (before clipping), dyt_saturated (baselines.final_dyt_saturated) and stop: whether
-    any rank's StopSignal `stop` had received a signal when its gradients were complete (it rides
-    on the same all-reduce, so every rank stops at the same step), all read from the device in one
+    stop() (runs.Run.stop_asked: has this process received a signal?) was true on any rank when its
+    gradients were complete (it rides on the same all-reduce, so every rank stops at the same
+    step), all read from the device in one
     .tolist(), the step's only host sync. SystemExit on a non-finite loss, before the optimizer
     step. batches: a Batches (the next step's first micro-batch is built before that sync)."""
     torch.manual_seed(int(np.random.SeedSequence([cfg.seed, it, env.rank]).generate_state(1)[0]))  # dropout
@@ -335,7 +337,7 @@ def train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stop=No
         [p for p in raw_model.parameters() if p.grad is not None],
         cfg.grad_clip if cfg.grad_clip > 0 else float('inf'))
     sums /= cfg.gradient_accumulation_steps
-    sums[6] = float(stop is not None and stop.received is not None)  # read as late as it can be
+    sums[6] = float(stop is not None and stop())  # read as late as it can be
     if env.ddp:
         torch.distributed.all_reduce(sums)  # SUM: gloo has no AVG
         sums /= env.world
@@ -343,8 +345,7 @@ def train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stop=No
     sums[8] = final_dyt_saturated(raw_model)  # so are they here
     if it + 1 < cfg.max_iters:
         batches.prefetch(it + 1, 0)  # the next step's first micro-batch, built while the device works
-    stats = dict(zip(('loss', 'ce', 'aux', 'hidden_rms', 'logit_rms', 'radial_cos', 'stop', 'grad_norm',
-                      'dyt_saturated'), sums.tolist()))  # the step's one host sync
+    stats = dict(zip((*STEP_METRICS, 'stop', 'grad_norm', 'dyt_saturated'), sums.tolist()))  # the step's one host sync
     stats['stop'], stats['dyt_saturated'] = stats['stop'] > 0, stats['dyt_saturated'] > 0
     if not (math.isfinite(stats['loss']) and math.isfinite(stats['grad_norm'])):
         raise SystemExit(f"non-finite loss {stats['loss']} (grad norm {stats['grad_norm']}) at iteration {it}; "
@@ -374,7 +375,7 @@ def estimate_val_loss(fwd_model, raw_model, folder, cfg, env, first_batch=None):
                 if env.device_type == 'cuda':
                     torch.cuda.synchronize()
                 first_batch(time.perf_counter() - t0)
-    finally:  # also when a signal cuts the evaluation short (runs.StopSignal.cut_short)
+    finally:  # also when a signal ends the evaluation early (runs.Run.evaluate)
         fwd_model.train()
         raw_model.set_collect(collect)
     return torch.stack(losses).mean().item()
@@ -435,17 +436,19 @@ def calibrate_event(fwd_model, raw_model, folder, cfg, env):
     event = raw_model.calibrate(cfg.calibration)
     raw_model.set_collect('mismatch')
     forwards()
-    event['mismatch'] = raw_model.branch_mismatch()
+    event['mismatch'] = branch_mismatch(raw_model)
     raw_model.set_collect(None)
     fwd_model.train()
     return event
 
 
-def fakeln_events(raw_model, it, cfg, env):
-    """FakeLN (docs/method.md §7): the removal events due before iteration it, each logged as
-    happening after the optimizer step of it − 1. A compiled model recompiles once per event."""
-    while int(getattr(raw_model, 'fakeln_stage', 0)) < get_fakeln_stage(it, cfg.norm_removal, cfg.fakeln_interval):
-        log({'event': 'fakeln', 'iter': it - 1, **remove_norms(raw_model)}, cfg, env)
+def fakeln_events(raw_model, it, run):
+    """FakeLN (docs/method.md §7): the removal events due before iteration it, each logged (in
+    run, a runs.Run) as happening after the optimizer step of it − 1. A compiled model recompiles
+    once per event."""
+    while int(getattr(raw_model, 'fakeln_stage', 0)) < get_fakeln_stage(it, run.cfg.norm_removal,
+                                                                         run.cfg.fakeln_interval):
+        run.log({'event': 'fakeln', 'iter': it - 1, **remove_norms(raw_model)})
 
 
 # ---- main -------------------------------------------------------------------------------
@@ -470,6 +473,17 @@ def cpu_hint(argv):
     return f"; every phase in 150 steps: {command(smoke)}" if os.path.realpath(smoke) not in given else ''
 
 
+def finished_run(cfg, env, ckpt):
+    """A run resumed after its end (its log holds the final record): one line, nothing redone;
+    returns its model."""
+    if env.master:
+        print(f"{cfg.out_dir} is a finished run ({ckpt['iter_num']} of {cfg.max_iters} steps, final_val_loss "
+              f"{final_record(cfg.out_dir)['final_val_loss']:.4f}): nothing to train or evaluate; a longer run "
+              "is a new run")
+    end_processes(env)
+    return model_from_state_dict(ckpt['model'], ckpt['model_args'])
+
+
 def main(argv):
     """Train with the configuration given by argv (see load_config); returns the trained model."""
     cfg, ckpt = run_config(argv)
@@ -480,70 +494,35 @@ def main(argv):
     folder, meta = find_dataset(cfg, may_prepare=not env.ddp)
     if cfg.sampler == 'epoch':
         check_one_pass(folder, cfg, env)
-    model_args = {k: getattr(cfg, k) for k in MODEL_KEYS}
-    model_args['vocab_size'] = meta['vocab_size']
+    model_args = {**{k: getattr(cfg, k) for k in MODEL_KEYS}, 'vocab_size': meta['vocab_size']}
     if ckpt is not None and GPTConfig(**ckpt['model_args']) != GPTConfig(**model_args):  # older ones lack new keys
         raise SystemExit(f"--init_from=resume: the dataset {folder} has vocab_size {meta['vocab_size']}, "
                          f"the checkpoint's model {ckpt['model_args']['vocab_size']}: resume on the run's data")
     iter_num = ckpt['iter_num'] if ckpt is not None else 0
-    done = final_record(cfg.out_dir) if iter_num >= cfg.max_iters else None
-    if done is not None:  # resumed after its end: nothing to redo
-        if env.master:
-            print(f"{cfg.out_dir} is a finished run ({iter_num} of {cfg.max_iters} steps, final_val_loss "
-                  f"{done['final_val_loss']:.4f}): nothing to train or evaluate; a longer run is a new run")
-        end_processes(env)
-        return model_from_state_dict(ckpt['model'], ckpt['model_args'])
+    if iter_num >= cfg.max_iters and final_record(cfg.out_dir) is not None:
+        return finished_run(cfg, env, ckpt)
     check_same_world(ckpt, cfg, env)
-    lock = claim_out_dir(cfg, iter_num) if env.master else None  # noqa: F841 (held until the process ends)
-    ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
-
     raw_model, optimizer = build_model(cfg, model_args, ckpt, env)
+    state = lambda: {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'model_args': model_args,
+                     'meta': meta}
+    run = Run(cfg, env, folder, iter_num, state, cpu_hint(argv) if cfg.init_from == 'scratch' else '')
     if ckpt is not None and env.master:
-        print(f"resuming {ckpt_path} at iteration {iter_num}")
+        print(f"resuming {run.ckpt_path} at iteration {iter_num}")
     del ckpt
     fwd_model = compile_model(raw_model) if env.compile else raw_model
-
-    def checkpoint(it):
-        if env.master:
-            save_checkpoint({'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(),
-                             'model_args': model_args, 'iter_num': it, 'config': vars(cfg), 'world': env.world,
-                             'meta': meta}, ckpt_path)
-
     if env.master:
         print(f"{raw_model.num_params() / 1e6:.2f}M parameters | taper={cfg.taper} norm={cfg.norm} "
               f"λ={cfg.aux_weight} | device={env.dev} dtype={env.dtype} tf32={env.tf32} compile={env.compile} "
-              f"world={env.world} | "
-              f"{tokens_per_iter:,} tokens/iter | writing {ckpt_path} and log.jsonl")
+              f"world={env.world} | {tokens_per_iter:,} tokens/iter | writing {run.ckpt_path} and log.jsonl")
 
-    # ---- the training loop ----
+    # ---- the training loop: the four phases (docs/method.md §2) ----
     schedule = (cfg.taper, cfg.gate_warmup_iters, cfg.taper_iters)
-    batches = Batches(folder, cfg, env)
-    progress = Progress(cfg, env, folder, cpu_hint(argv) if cfg.init_from == 'scratch' else '')
-    train_model, saturated_at = None, None
+    batches, train_model = Batches(folder, cfg, env), None
+    estimate = functools.partial(estimate_val_loss, fwd_model, raw_model, folder, cfg, env)
     fwd_model.train()
-    with StopSignal(talk=env.master) as stop:
-
-        def stopped(when, saved, save=True):
-            """After a signal: a checkpoint of iteration `saved` (save=False: it was just written),
-            one line saying when the run stopped and how it continues, exit 130 (SIGINT) or 143."""
-            if save:
-                checkpoint(saved)
-            if env.master:
-                name = signal.Signals(stop.received or signal.SIGTERM).name
-                print(f"stopped by {name} {when}: saved in {ckpt_path}, which resumes at iteration {saved}; "
-                      f"continue with: {resume_command(cfg.out_dir, env.world)}", file=sys.stderr, flush=True)
-            raise SystemExit(130 if stop.received == signal.SIGINT else 143)
-
-        def evaluate(it):
-            if progress.batch_s is None:  # the first evaluation: nothing printed yet says how long it takes
-                print(f"evaluating at iteration {it}: val loss over {cfg.eval_iters} batches of "
-                      f"{cfg.batch_size} × {cfg.block_size} tokens", flush=True)
-            return estimate_val_loss(fwd_model, raw_model, folder, cfg, env,
-                                     functools.partial(progress.evaluation_batch, it))
-
-        while iter_num < cfg.max_iters:
-            it = iter_num
-            stop.doing = f'iteration {it}'
+    with run:  # from here a signal stops the run where its contract says (runs.Run)
+        while run.iter_num < cfg.max_iters:
+            it = run.iter_num
             phase, gate = get_phase(it, *schedule), get_gate(it, *schedule)
             lr = get_lr(it, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters)
             if train_model is None or phase != raw_model.phase:
@@ -551,80 +530,37 @@ def main(argv):
                 raw_model.set_collect('calibration' if phase == 'warmup' and cfg.calibration == 'ema' else None)
                 train_model = wrap_ddp(fwd_model, env)  # DDP must see the parameters this phase trains
             raw_model.set_gate(gate)  # in place: no recompile
-            fakeln_events(raw_model, it, cfg, env)  # FakeLN: a removal recompiles once, here
+            fakeln_events(raw_model, it, run)  # FakeLN: a removal recompiles once, here
             for group in optimizer.param_groups:
                 group['lr'] = lr
+            record = run.evaluate(it, estimate)  # when due: {'val_loss': ...} and a checkpoint
 
-            record, cut = {}, False
-            if it % cfg.eval_interval == 0 and env.master:
-                val, cut = stop.cut_short(f'the evaluation at iteration {it}', evaluate, it)
-                if not cut:  # cut short: the step's checkpoint does not need it
-                    record['val_loss'] = val
-                checkpoint(it)
-            if cut and not env.ddp:
-                stopped(f'during the evaluation at iteration {it}', it, save=False)
-
-            stop.doing = f'iteration {it}'  # again: after an evaluation
             t0 = time.perf_counter()
-            stats = train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stop)
-            if cut:  # under DDP the step told the other ranks; its result is not kept
-                stopped(f'during the evaluation at iteration {it}', it, save=False)
-            if env.ddp:  # a signal from here on rides on the next step's all-reduce: that step is the last
-                stop.doing = f'iteration {it + 1}' if it + 1 < cfg.max_iters else 'the final checkpoint'
+            stats = train_step(train_model, raw_model, optimizer, batches, cfg, env, it, run.stop_asked)
             if phase == 'warmup' and cfg.calibration == 'ema':
-                raw_model.calibration_step()
+                raw_model.calibration_step()  # this step's statistics into the EMAs of c and s_tgt
             if cfg.norm_removal == 'fakeln':
                 fakeln_step(raw_model)  # σ(h) of the norms not yet removed, into their windows
             logged = it % cfg.log_interval == 0 or bool(record)
-            if logged and env.device_type == 'cuda':
-                torch.cuda.synchronize()  # on logged steps only: step_ms then includes the optimizer step
-            dt_s = time.perf_counter() - t0
-            progress.step(it, dt_s)
-
+            dt_s = run.step_took(it, t0, synchronize=logged)  # logged: step_ms includes the optimizer step
             if logged:
                 scale = raw_model.last_metrics.final_scale_rms
-                log(dict(iter=it, phase=phase, gate=gate, lr=lr,
-                         **{k: stats[k] for k in stats if k not in ('grad_norm', 'stop', 'dyt_saturated')},
-                         **record, **({'final_scale_rms': scale.item()} if scale is not None else {}),
-                         grad_norm=stats['grad_norm'], step_ms=1000 * dt_s, tokens_per_s=tokens_per_iter / dt_s),
-                    cfg, env)
-            if stats['dyt_saturated'] and saturated_at is None and env.master:  # said once: it may recover
-                saturated_at = it
-                print(DYT_SATURATED.format(it=it), file=sys.stderr)
-            if phase == 'warmup' and it == cfg.gate_warmup_iters - 1:
-                if not env.ddp:
-                    stop.doing = f'the calibrate event after iteration {it}'
-                log({'event': 'calibrate', 'iter': it, **calibrate_event(fwd_model, raw_model, folder, cfg, env)},
-                    cfg, env)
-            iter_num += 1
-            # a signal during this step (or after it, alone: under DDP the ranks agree through the step's all-reduce)
-            if stats['stop'] if env.ddp else stop.received is not None:
-                stopped(f'after iteration {it}', iter_num)  # keep every finished step
+                run.log(dict(iter=it, phase=phase, gate=gate, lr=lr, **{k: stats[k] for k in STEP_METRICS}, **record,
+                             **({'final_scale_rms': scale.item()} if scale is not None else {}),
+                             grad_norm=stats['grad_norm'], step_ms=1000 * dt_s, tokens_per_s=tokens_per_iter / dt_s))
+            if stats['dyt_saturated']:  # said once: it may recover
+                run.say_once('dyt_saturated', DYT_SATURATED.format(it=it))
+            if phase == 'warmup' and it == cfg.gate_warmup_iters - 1:  # c, s_tgt frozen; γ̃ ← γ
+                with run.during(f'the calibrate event after iteration {it}'):
+                    event = calibrate_event(fwd_model, raw_model, folder, cfg, env)
+                run.log({'event': 'calibrate', 'iter': it, **event})
+            run.end_iteration(it, stats['stop'])  # a signal stops the run here, every finished step saved
 
         # the state after the last step belongs to iteration max_iters: linear, g = 0 when tapering
-        raw_model.set_phase(get_phase(iter_num, *schedule))
-        raw_model.set_gate(get_gate(iter_num, *schedule))
-        fakeln_events(raw_model, iter_num, cfg, env)
-        stop.doing = 'the final checkpoint'
-        checkpoint(iter_num)
-        if stop.received is not None:
-            stopped('after the last iteration', iter_num, save=False)
-        if env.master:
-            print(f"final losses: the whole val split and as many train windows, {progress.final_batches} batches of "
-                  f"{cfg.batch_size} × {cfg.block_size} tokens", flush=True)
-        # under DDP the ranks must agree on their all-reduces: the final losses run to the end there
-        stop.doing = 'the final losses'
-        losses, cut = ((final_losses(raw_model, folder, cfg, env), False) if env.ddp else
-                       stop.cut_short('the final losses', final_losses, raw_model, folder, cfg, env))
-        if cut:
-            stopped('during the final losses', iter_num, save=False)
-        log({'iter': iter_num, 'phase': raw_model.phase, 'final_val_loss': losses[0], 'final_train_loss': losses[1],
-             'device': env.dev, 'dtype': env.dtype, 'tf32': env.tf32}, cfg, env)
-        if stop.received is not None:  # after the final losses (DDP): the run is complete
-            if env.master:
-                print(f"stopped by {signal.Signals(stop.received).name} after the final losses: the run in "
-                      f"{cfg.out_dir} is complete", file=sys.stderr, flush=True)
-            raise SystemExit(130 if stop.received == signal.SIGINT else 143)
+        raw_model.set_phase(get_phase(run.iter_num, *schedule))
+        raw_model.set_gate(get_gate(run.iter_num, *schedule))
+        fakeln_events(raw_model, run.iter_num, run)
+        run.finish(raw_model.phase, functools.partial(final_losses, raw_model, folder, cfg, env))
     del train_model  # under DDP its reducer holds the process group: free it before the group goes
     end_processes(env)
     return raw_model

@@ -2,14 +2,21 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from test_runs import read_lines, wait_for_line
 from test_train import read_log, toy_args
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def localhost_works():
@@ -79,3 +86,50 @@ def test_a_compiled_two_process_run_keeps_the_ranks_identical(toy_data, tmp_path
     # a version of the forward per phase in training (3) and in the calibrate event (2), each compiled
     # once; rank 0 also evaluates (warmup, taper): far below the recompile limit
     assert [r['compiled_graphs'] for r in ranks] == [7, 5]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not localhost_works(), reason='cannot open a TCP connection to localhost: no loopback networking')
+@pytest.mark.parametrize('calibration', ['ema', 'end'])
+def test_ctrl_c_during_rank_0s_evaluation_ends_every_rank_in_one_line(toy_data, tmp_path, calibration):
+    """Ctrl-C under torchrun (its agent sends SIGINT to each rank) while rank 0 evaluates and
+    rank 1 waits in the first step's all-reduce: rank 0 cuts the evaluation and still meets every
+    collective of the iteration, the warmup's statistics ('ema', every warmup step) and the
+    calibrate event (here right after iteration 0), so every rank ends with exit 130 and no
+    traceback; rank 0 keeps the checkpoint written before iteration 0 and says so in one line.
+    The ranks are started as torchrun starts them (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*)."""
+    out = tmp_path / 'ddp'
+    args = toy_args(toy_data, out, backend='gloo', taper='internal', calibration=calibration, gate_warmup_iters=1,
+                    eval_iters=10 ** 6)
+    port, procs = free_port(), []
+    for rank in (0, 1):
+        env = dict(os.environ, OMP_NUM_THREADS='1', RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE='2',
+                   LOCAL_WORLD_SIZE='2', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / 'train.py'), *args], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    try:
+        lines = read_lines(procs[0].stdout)
+        wait_for_line(lines, 'evaluating at iteration 0', procs[0])
+        time.sleep(1)  # inside the evaluation; rank 1 waits in the step's all-reduce
+        for proc in procs:
+            proc.send_signal(signal.SIGINT)
+        ends = [proc.communicate(timeout=60) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, (_, err) in zip(procs, ends):
+        assert proc.returncode == 130 and 'Traceback' not in err, err
+    assert ends[0][1].splitlines() == [
+        'SIGINT: cutting the evaluation at iteration 0 short, then saving and stopping (Ctrl-C again stops at once, '
+        'without saving)',
+        f"stopped by SIGINT during the evaluation at iteration 0: saved in {out / 'ckpt.pt'}, which resumes at "
+        f"iteration 0; continue with: torchrun --standalone --nproc_per_node=2 train.py --init_from=resume "
+        f"--out_dir={out}"]
+    assert ends[1][1] == ''  # rank 1 says nothing: rank 0 speaks for the run
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 0
+    assert not (out / 'log.jsonl').exists() or read_log(out) == []  # nothing of iteration 0 is logged

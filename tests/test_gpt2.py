@@ -22,6 +22,7 @@ import configurator
 import export_gpt2
 import fold
 import sample
+import runs
 import train
 from test_data import load_script
 from test_train import interrupt_at, linear_phase_model, read_log
@@ -262,13 +263,13 @@ def test_export_refuses_what_gpt2_cannot_express(tmp_path):
 def test_export_script_checks_its_work_and_refuses_in_one_line(tmp_path, capsys):
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=40, block_size=8, norm='layernorm'))
-    train.save_checkpoint({'model': model.state_dict(), 'model_args': vars(model.config)}, str(tmp_path / 'a.pt'))
+    runs.save_checkpoint({'model': model.state_dict(), 'model_args': vars(model.config)}, str(tmp_path / 'a.pt'))
     diff = export_gpt2.main([f'--ckpt={tmp_path / "a.pt"}', f'--out={tmp_path / "hf"}'])
     assert diff <= 1e-5 and 'loaded back' in capsys.readouterr().out
     with pytest.raises(SystemExit, match='exists and is not an empty folder'):
         export_gpt2.main([f'--ckpt={tmp_path / "a.pt"}', f'--out={tmp_path / "hf"}'])
     rms = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=40, block_size=8))
-    train.save_checkpoint({'model': rms.state_dict(), 'model_args': vars(rms.config)}, str(tmp_path / 'b.pt'))
+    runs.save_checkpoint({'model': rms.state_dict(), 'model_args': vars(rms.config)}, str(tmp_path / 'b.pt'))
     with pytest.raises(SystemExit, match=r'b\.pt: cannot export as GPT-2: its norms are RMSNorm'):
         export_gpt2.main([f'--ckpt={tmp_path / "b.pt"}', f'--out={tmp_path / "hf2"}'])
 
@@ -709,7 +710,7 @@ def test_bench_times_a_gpt2_checkpoint_next_to_a_baseline_with_its_activation(tm
     import bench
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=16, norm='layernorm',
                           activation='gelu_tanh'))
-    train.save_checkpoint({'model': model.state_dict(), 'model_args': vars(model.config)}, str(tmp_path / 'g.pt'))
+    runs.save_checkpoint({'model': model.state_dict(), 'model_args': vars(model.config)}, str(tmp_path / 'g.pt'))
     cfg = types.SimpleNamespace(ckpt=str(tmp_path / 'g.pt'), prompt_len=4, new_tokens=4, seed=0)
     timed = bench.checkpoint_variants(cfg)[0]
     assert timed['ckpt_baseline'].config == timed['ckpt:g.pt'].config  # same shape, same GELU

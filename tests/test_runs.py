@@ -134,7 +134,7 @@ def test_a_signal_stops_after_the_step_in_progress(toy_data, tmp_path, monkeypat
     if where == 'during the step':
         signal_at(monkeypatch, train, 'train_batch', lambda f, c, e, it, micro: (it, micro) == (6, 1), signal.SIGTERM)
     else:
-        signal_at(monkeypatch, train, 'log', lambda r, c, e: r.get('iter') == 6 and 'loss' in r, signal.SIGTERM)
+        signal_at(monkeypatch, runs, 'log', lambda r, c, e: r.get('iter') == 6 and 'loss' in r, signal.SIGTERM)
     with pytest.raises(SystemExit) as e:
         train.main(toy_args(toy_data, out))
     assert e.value.code == 143
@@ -189,7 +189,7 @@ def test_a_signal_after_the_loop_exits_143_with_its_line(toy_data, tmp_path, mon
     one line; the checkpoint of the last iteration is whole, and its resume logs the final losses."""
     out = tmp_path / 'run'
     if where == 'the final save':
-        signal_at(monkeypatch, train, 'save_checkpoint', lambda obj, path: obj['iter_num'] == 16, signal.SIGTERM)
+        signal_at(monkeypatch, runs, 'save_checkpoint', lambda obj, path: obj['iter_num'] == 16, signal.SIGTERM)
     else:
         signal_at(monkeypatch, runs, 'windows', lambda *a: True, signal.SIGTERM)  # mean_ce's batches only
     with pytest.raises(SystemExit) as e:

@@ -1,0 +1,226 @@
+"""runs.Run's contract, point by point, without train.py: a loop of stand-in steps drives a Run
+as train.main does, a signal is sent at one point, and what the run saves, says and exits with is
+checked against the contract in Run's docstring. DDP is rank 0's view (env.ddp, world 2): Run
+itself runs no collective, the step's all-reduce is stood in for by the flag passed to
+end_iteration."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import runs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ITERS = 8
+
+
+def make_run(tmp_path, ddp=False):
+    """A Run over 8 iterations, evaluations at 0 and 4, in tmp_path/run (val split: 2 windows)."""
+    (tmp_path / 'val.bin').write_bytes(b'\0\0' * 33)
+    cfg = SimpleNamespace(out_dir=str(tmp_path / 'run'), init_from='scratch', overwrite=False, max_iters=ITERS,
+                          eval_interval=4, eval_iters=2, batch_size=2, block_size=16, gradient_accumulation_steps=1,
+                          taper='all', gate_warmup_iters=2, calib_batches=1, calibration='ema')
+    env = SimpleNamespace(master=True, rank=0, world=2 if ddp else 1, ddp=ddp, device_type='cpu', dev='cpu',
+                          dtype='float32', tf32=False)
+    return runs.Run(cfg, env, str(tmp_path), 0, lambda: {'model': {}, 'marker': 'state'})
+
+
+def send(signum=signal.SIGTERM):
+    os.kill(os.getpid(), signum)  # its handler runs before the next line
+
+
+def loop(run, at=None, signum=signal.SIGTERM, ddp_flag=None, ran=None):
+    """train.main's loop with stand-ins; `at` names where a signal is sent: 'evaluation',
+    'step', 'after step' (after stop_asked), 'calibrate' (iteration 1's event), 'final losses'.
+    ddp_flag(it): the flag the step's all-reduce would carry (DDP); default: this process's own.
+    Returns (and appends to `ran`) what ran: ('eval', it), ('step', it), ('final', …)."""
+    ran = [] if ran is None else ran
+
+    def estimate(first_batch):
+        ran.append(('eval', run.iter_num))
+        if at == 'evaluation' and run.iter_num == 4:
+            send(signum)
+            ran.append(('eval went on', run.iter_num))
+        first_batch(0.01)
+        return 3.0
+
+    def final_losses():
+        ran.append(('final', run.iter_num))
+        if at == 'final losses':
+            send(signum)
+            ran.append(('final went on', run.iter_num))
+        return 2.0, 1.0
+
+    with run:
+        while run.iter_num < ITERS:
+            it = run.iter_num
+            record = run.evaluate(it, estimate)
+            if at == 'step' and it == 5:
+                send(signum)
+            asked = run.stop_asked()
+            ran.append(('step', it))
+            if at == 'after step' and it == 5:
+                send(signum)
+            run.step_took(it, 0.0, synchronize=True)
+            run.log({'iter': it, 'loss': 1.0, 'phase': 'x', 'gate': 1.0, 'ce': 1.0, 'aux': 0.0, 'hidden_rms': 1.0,
+                     'logit_rms': 1.0, 'lr': 1e-3, 'step_ms': 1.0, 'tokens_per_s': 1.0, **record})
+            if it == 1:
+                with run.during(f'the calibrate event after iteration {it}'):
+                    if at == 'calibrate':
+                        send(signum)
+                    ran.append(('calibrate', it))
+            run.end_iteration(it, ddp_flag(it) if ddp_flag else asked)
+        run.finish('linear', final_losses)
+    return ran
+
+
+def checkpoint(tmp_path):
+    return torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)
+
+
+def logged(tmp_path):
+    path = tmp_path / 'run' / 'log.jsonl'
+    return [line for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def stops(tmp_path, capfd, code, at, signum=signal.SIGTERM, ddp=False, ddp_flag=None, ran=None):
+    """Run the loop to its stop: (stderr lines, the checkpoint's iter_num)."""
+    run = make_run(tmp_path, ddp)
+    with pytest.raises(SystemExit) as e:
+        loop(run, at, signum, ddp_flag, ran)
+    assert e.value.code == code
+    return capfd.readouterr().err.splitlines(), checkpoint(tmp_path)['iter_num']
+
+
+def test_an_undisturbed_run_saves_at_each_evaluation_and_at_the_end(tmp_path):
+    run = make_run(tmp_path)
+    ran = loop(run)
+    assert ran == [('eval', 0), ('step', 0), ('step', 1), ('calibrate', 1), ('step', 2), ('step', 3), ('eval', 4),
+                   ('step', 4), ('step', 5), ('step', 6), ('step', 7), ('final', 8)]
+    ckpt = checkpoint(tmp_path)
+    assert ckpt['iter_num'] == 8 and ckpt['marker'] == 'state' and ckpt['world'] == 1
+    assert '"final_val_loss": 2.0' in logged(tmp_path)[-1]
+
+
+def test_before_the_loop_the_first_evaluation_is_cut_at_once(tmp_path, capfd):
+    run = make_run(tmp_path)
+    with run:
+        send(signal.SIGINT)
+        with pytest.raises(SystemExit) as e:
+            run.evaluate(0, lambda first_batch: pytest.fail('the evaluation ran'))
+    assert e.value.code == 130 and checkpoint(tmp_path)['iter_num'] == 0
+    assert 'stopped by SIGINT during the evaluation at iteration 0' in capfd.readouterr().err
+
+
+def test_during_an_evaluation_one_process_cuts_it_and_stops_before_its_step(tmp_path, capfd):
+    ran = []
+    err, saved = stops(tmp_path, capfd, 130, 'evaluation', signal.SIGINT, ran=ran)
+    assert ran[-1] == ('eval', 4) and saved == 4  # cut at once; its step did not run
+    assert err[0] == ('SIGINT: cutting the evaluation at iteration 4 short, then saving and stopping (Ctrl-C again '
+                      'stops at once, without saving)')
+    assert err[1].startswith(f"stopped by SIGINT during the evaluation at iteration 4: saved in "
+                             f"{tmp_path / 'run' / 'ckpt.pt'}, which resumes at iteration 4; continue with: "
+                             f"python train.py --init_from=resume")
+    assert len(err) == 2 and all('"iter": 4' not in line for line in logged(tmp_path))
+
+
+def test_during_an_evaluation_under_ddp_rank_0_meets_the_iteration_then_stops_keeping_its_checkpoint(tmp_path,
+                                                                                                      capfd):
+    ran = []
+    err, saved = stops(tmp_path, capfd, 130, 'evaluation', signal.SIGINT, ddp=True, ddp_flag=lambda it: it >= 4,
+                       ran=ran)
+    assert ran[-2:] == [('eval', 4), ('step', 4)]  # cut at once, then its step (the other ranks' all-reduce)
+    assert saved == 4  # the step of iteration 4 ran (its all-reduce), its save did not
+    assert err[1].startswith('stopped by SIGINT during the evaluation at iteration 4: saved in ')
+    assert 'continue with: torchrun --standalone --nproc_per_node=2 train.py --init_from=resume' in err[1]
+    assert all('"iter": 4' not in line for line in logged(tmp_path))  # nothing of iteration 4 is logged
+
+
+def test_during_a_step_the_iteration_finishes_and_is_saved(tmp_path, capfd):
+    err, saved = stops(tmp_path, capfd, 143, 'step')
+    assert saved == 6
+    assert err[0].startswith('SIGTERM: finishing iteration 5, then saving and stopping')
+    assert err[1].startswith('stopped by SIGTERM after iteration 5: ') and 'resumes at iteration 6' in err[1]
+    assert '"iter": 5' in logged(tmp_path)[-1]
+
+
+def test_after_the_steps_all_reduce_under_ddp_the_next_step_is_the_last(tmp_path, capfd):
+    """A signal after the step read the flag: the first line names the next iteration, and the
+    run stops when the next all-reduce carries it."""
+    err, saved = stops(tmp_path, capfd, 143, 'after step', ddp=True, ddp_flag=lambda it: it >= 6)
+    assert err[0].startswith('SIGTERM: finishing iteration 6, then saving')
+    assert saved == 7 and err[1].startswith('stopped by SIGTERM after iteration 6: ')
+
+
+def test_one_process_stops_after_a_signal_that_lands_after_its_step(tmp_path, capfd):
+    err, saved = stops(tmp_path, capfd, 143, 'after step')
+    assert err[0].startswith('SIGTERM: finishing iteration 5, then saving') and saved == 6
+
+
+@pytest.mark.parametrize('ddp, named', [(False, 'the calibrate event after iteration 1'), (True, 'iteration 2')])
+def test_during_the_calibrate_event_it_finishes_then_the_run_stops(tmp_path, capfd, ddp, named):
+    err, saved = stops(tmp_path, capfd, 143, 'calibrate', ddp=ddp, ddp_flag=(lambda it: it >= 2) if ddp else None)
+    assert err[0].startswith(f'SIGTERM: finishing {named}, then saving')
+    assert saved == (3 if ddp else 2)
+
+
+def test_after_the_last_step_the_final_checkpoint_is_written_then_the_run_stops(tmp_path, capfd):
+    run = make_run(tmp_path)
+    with run:
+        run.iter_num = ITERS
+        send()
+        with pytest.raises(SystemExit) as e:
+            run.finish('linear', lambda: pytest.fail('the final losses ran'))
+    assert e.value.code == 143 and checkpoint(tmp_path)['iter_num'] == ITERS
+    err = capfd.readouterr().err.splitlines()
+    assert err[0].startswith('SIGTERM: finishing the final checkpoint')
+    assert err[1].startswith('stopped by SIGTERM after the last iteration: ')
+
+
+@pytest.mark.parametrize('ddp', [False, True])
+def test_during_the_final_losses_one_process_cuts_them_and_ddp_completes_the_run(tmp_path, capfd, ddp):
+    run = make_run(tmp_path, ddp)
+    with pytest.raises(SystemExit) as e:
+        loop(run, 'final losses', ddp_flag=(lambda it: False) if ddp else None)
+    assert e.value.code == 143 and checkpoint(tmp_path)['iter_num'] == ITERS
+    err = capfd.readouterr().err.splitlines()
+    final = [line for line in logged(tmp_path) if 'final_val_loss' in line]
+    if ddp:
+        assert err[0].startswith('SIGTERM: finishing the final losses')
+        assert err[1] == f"stopped by SIGTERM after the final losses: the run in {tmp_path / 'run'} is complete"
+        assert len(final) == 1
+    else:
+        assert err[0].startswith('SIGTERM: cutting the final losses short')
+        assert err[1].startswith('stopped by SIGTERM during the final losses: ') and 'resumes at iteration 8' in err[1]
+        assert final == []
+
+
+@pytest.mark.parametrize('signum, code', [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_second_signal_ends_the_process_at_once_with_its_code_and_the_last_checkpoint_whole(tmp_path, signum,
+                                                                                               code):
+    """In a subprocess: the second signal arrives while the run finishes its step (before its
+    save); the process ends at once and the folder keeps the checkpoint of the evaluation."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {os.path.join(ROOT, 'tests')!r}); sys.path.insert(0, {ROOT!r})
+        from pathlib import Path
+        import test_run_contract as t
+        run = t.make_run(Path({str(tmp_path)!r}))
+        with run:
+            run.evaluate(0, lambda first_batch: 3.0)
+            os.kill(os.getpid(), {int(signum)})
+            os.kill(os.getpid(), {int(signum)})
+            print('went on', flush=True)
+        """)
+    proc = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=120)
+    name = signal.Signals(signum).name
+    assert proc.returncode == code and 'went on' not in proc.stdout
+    assert proc.stderr.splitlines()[-1] == (f'second {name}: stopped at once, without saving; the run folder keeps '
+                                            'its last checkpoint')
+    assert checkpoint(tmp_path)['iter_num'] == 0 and not (tmp_path / 'run' / 'ckpt.pt.tmp').exists()
