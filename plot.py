@@ -7,6 +7,7 @@ matrices): each variant's paired gap to the baseline against the tokens seen. Ne
 
     python plot.py --runs=study/baseline-end-s1,study/internal-end-s1,study/all-end-s1 --out=docs/plots/main.png
     python plot.py --ladder=study/results.json --out=docs/plots/budget_ladder.png
+    python plot.py --gap=study/results.json --out=docs/plots/gap_per_param.png
     python plot.py --shock=study/baseline-1M-t9M-lr0.008-s1:study/internal-1M-t9M-lr0.008-s1 --out=shock.png
 """
 
@@ -20,6 +21,7 @@ from configurator import configure
 # -----------------------------------------------------------------------------
 runs = ''                   # comma-separated out_dirs (each with a log.jsonl)
 ladder = ''                 # instead of --runs: a study results.json, drawn as the budget ladder (ladder_plot)
+gap = ''                    # instead of --runs: a study results.json, drawn as the gap per token per parameter (gap_plot)
 shock = ''                  # instead of --runs: BASELINE:RUN out_dir pairs (comma-separated), drawn by shock_plot
 shock_steps = 300           # with --shock: the steps drawn after each run's calibrate event
 labels = ''                 # comma-separated legend labels (default: the folder names)
@@ -68,11 +70,12 @@ def label_points(ax, labels, gap=9):
             above = at
 
 
-def ladder_plot(plt, results_path, out, title):
-    """The budget ladder: for every variant but the baseline, its final val loss at its best
-    learning rate against the baseline's at its own, paired by seed, in %, against the tokens a
-    run saw (log axis); one line per model size and variant, ± sd over seeds as error bars where
-    seeds were run, the val loss written beside each point, the paper's range as a band."""
+def best_points(results_path):
+    """The ladder matrices' finished cells of a study results.json as points: (points, args),
+    points = {(size, variant): [(tokens seen, [paired % gap per seed], [final val loss per seed],
+    unsettled), ...]} for every variant but the baseline and study.LADDER_ABLATIONS, each at its
+    best learning rate against the baseline at its own (study.ladder_best, study.paired_gap);
+    unsettled: a best rate still on a running grid or at its edge. SystemExit if none."""
     import study
     with open(results_path) as f:
         done = json.load(f)['cells']
@@ -80,9 +83,6 @@ def ladder_plot(plt, results_path, out, title):
     cells = {n: done[n] for n in args if n in done}
     if not cells:
         raise SystemExit(f"{results_path} holds no cell of the ladder matrices ({', '.join(study.LADDER_MATRICES)})")
-    fig, ax = plt.subplots(figsize=(11, 5.5))
-    ax.axhspan(*PAPER_GAP, color='0.85', zorder=0, label='paper: +0.7 to +1.8 % (budget not public)')
-    ax.axhline(0, color='0.4', lw=0.8)
     lines = {}
     for (size, budget), by_v in study.ladder_best(cells, args).items():
         base = by_v.get('baseline')
@@ -96,6 +96,25 @@ def ladder_plot(plt, results_path, out, title):
                 lines.setdefault((size, v), []).append((tokens, gaps, [x['final_val_loss'] for x in by_seed.values()
                                                                        if x['status'] == 'finished'],
                                                         bool(note or base[2])))  # a best rate not yet settled
+    return lines, args
+
+
+def size_style(size, sizes):
+    """(marker, line style) of a model size among the sizes drawn: each size its own."""
+    k = sizes.index(size) % 4
+    return 'os^v'[k], ('--', '-', ':', '-.')[k]
+
+
+def ladder_plot(plt, results_path, out, title):
+    """The budget ladder: for every variant but the baseline, its final val loss at its best
+    learning rate against the baseline's at its own, paired by seed, in %, against the tokens a
+    run saw (log axis); one line per model size and variant, ± sd over seeds as error bars where
+    seeds were run, the val loss written beside each point, the paper's range as a band."""
+    import study
+    lines, _ = best_points(results_path)
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    ax.axhspan(*PAPER_GAP, color='0.85', zorder=0, label='paper: +0.7 to +1.8 % (budget not public)')
+    ax.axhline(0, color='0.4', lw=0.8)
     variants = list(study.VARIANTS7)  # each variant keeps its colour as others join the plot
     labels = []  # (tokens, gap, text, colour): each point's val loss, written once the lines are drawn
     sizes = sorted({s for s, _ in lines}, key=lambda s: float(s[:-1]))  # each size its marker and line style
@@ -104,8 +123,7 @@ def ladder_plot(plt, results_path, out, title):
         xs = [p[0] for p in points]
         ys = [sum(p[1]) / len(p[1]) for p in points]
         err = [statistics.stdev(p[1]) if len(p[1]) > 1 else 0 for p in points]  # the tables' ± sd
-        k = sizes.index(size) % 4
-        marker, ls, color = 'os^v'[k], ('--', '-', ':', '-.')[k], f'C{variants.index(v)}'
+        (marker, ls), color = size_style(size, sizes), f'C{variants.index(v)}'
         ax.errorbar(xs, ys, yerr=err, marker=marker, capsize=3, color=color, ls=ls,
                     label=f'{v}, {size} model')
         for x, y, p in zip(xs, ys, points):
@@ -130,6 +148,70 @@ def ladder_plot(plt, results_path, out, title):
     ax.set_title(title or 'TaperNorm against the budget (mix7, read once)', fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc='upper left', bbox_to_anchor=(1.01, 1))  # outside: DyT's points sit high
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+GAP_VARIANTS = ('internal_ema', 'all_ema', 'dyt', 'derf')  # the gap figure's: TaperNorm's default calibration, the norm-free baselines
+
+
+def side_by_side(k):
+    """The factor on the x of the gap figure's variant k: a point's variants side by side, not on top
+    of each other (the x axis is logarithmic)."""
+    return 1.05 ** (k - 1.5)
+
+
+def non_embedding_params(size):
+    """Parameters of the ladder's model `size` (study.SIZES over config/cpu.py's shape) outside its
+    token and position embeddings (the tied LM head counted with them): the blocks and ln_f."""
+    import study
+    from model import GPT, GPTConfig
+    c = study.cell_config(study.BASE7 + list(study.SIZES[size]))
+    model = GPT(GPTConfig(**{k: c[k] for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias')}, vocab_size=1))
+    return sum(p.numel() for p in model.transformer.h.parameters()) + sum(
+        p.numel() for p in model.transformer.ln_f.parameters())
+
+
+def gap_plot(plt, results_path, out, title):
+    """The gap against the budget per parameter: for 'ema' Internal- and All-Taper, DyT and Derf,
+    the final val loss at the variant's best learning rate against the RMSNorm baseline's at its
+    own, paired by seed, in %, against tokens seen per non-embedding parameter (log axis); each
+    point with its 95 % interval over seeds (study.mean_interval: t on n − 1 df), a one-seed point
+    hollow and without one; one marker per model size, one colour per variant, the paper's range
+    shaded."""
+    import study
+    lines, _ = best_points(results_path)
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    ax.axhspan(*PAPER_GAP, color='0.85', zorder=0, label='paper: +0.7 to +1.8 % (TinyStories)')
+    ax.axhline(0, color='0.4', lw=0.8)
+    sizes = sorted({s for s, _ in lines}, key=lambda s: float(s[:-1]))
+    per_param = {size: non_embedding_params(size) for size in sizes}
+    for (size, v), points in sorted(lines.items(), key=lambda kv: (GAP_VARIANTS.index(kv[0][1]) if kv[0][1] in
+                                                                   GAP_VARIANTS else -1, sizes.index(kv[0][0]))):
+        if v not in GAP_VARIANTS:
+            continue
+        (marker, ls), k = size_style(size, sizes), GAP_VARIANTS.index(v)
+        dodge = side_by_side(k)
+        xs, ys = [], []
+        for tokens, gaps, _, _ in sorted(points):
+            m, _, lo, hi = study.mean_interval(gaps)
+            one = len(gaps) == 1
+            xs.append(tokens / per_param[size] * dodge)
+            ys.append(m)
+            ax.errorbar(xs[-1:], ys[-1:], yerr=None if one else [[m - lo], [hi - m]], marker=marker, ms=7, capsize=3,
+                        color=f'C{k}', mfc='white' if one else f'C{k}', ls='none',
+                        label=None if len(xs) > 1 else f'{v}, {size} model')
+        ax.plot(xs, ys, color=f'C{k}', ls=ls, lw=0.8, alpha=0.6)  # one size's budgets
+    if any(len(p[1]) == 1 for (_, v), points in lines.items() if v in GAP_VARIANTS for p in points):
+        ax.text(0.01, 0.01, 'hollow: one seed, no interval', transform=ax.transAxes, fontsize=8, color='0.3')
+    ax.set_xscale('log')
+    ax.set_xlabel('tokens seen per non-embedding parameter (a point\'s variants side by side)')
+    ax.set_ylabel('final val loss vs RMSNorm baseline, paired by seed (%; bars: 95 % interval)')
+    ax.set_title(title or 'The gap against the budget per parameter (mix7, read once)', fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc='upper left', bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -177,9 +259,9 @@ def shock_plot(plt, pairs, labels, out, title, steps, smooth):
 
 def main(argv):
     cfg = configure(argv, globals())
-    if not cfg.runs and not cfg.ladder and not cfg.shock:
-        raise SystemExit("config error: --runs=DIR[,DIR...] (or --ladder=study/results.json, or "
-                         "--shock=BASELINE:RUN[,...]) is required")
+    if not cfg.runs and not cfg.ladder and not cfg.gap and not cfg.shock:
+        raise SystemExit("config error: --runs=DIR[,DIR...] (or --ladder=study/results.json, --gap=study/results.json "
+                         "or --shock=BASELINE:RUN[,...]) is required")
     try:
         import matplotlib
         matplotlib.use('Agg')
@@ -188,6 +270,8 @@ def main(argv):
         raise SystemExit("plot.py needs matplotlib: pip install matplotlib") from None
     if cfg.ladder:
         return ladder_plot(plt, cfg.ladder, cfg.out, cfg.title)
+    if cfg.gap:
+        return gap_plot(plt, cfg.gap, cfg.out, cfg.title)
     if cfg.shock:
         pairs = [p.split(':') for p in cfg.shock.split(',')]
         if any(len(p) != 2 for p in pairs):

@@ -731,3 +731,42 @@ def test_the_declared_3m_rung_rates_are_bracketed_bests():
             assert found[v][0] == lr and found[v][2] == '', (v, point)
     assert set(study.rung_seeds(study.RUNG_BEST)) == {f'{v}-3M-t3M-lr0.004-s{s}' for v in ('baseline', 'internal_ema')
                                                       for s in (2, 3)}
+
+
+def test_the_gap_plot_draws_each_gap_with_its_95_interval_against_tokens_per_non_embedding_parameter(tmp_path,
+                                                                                                   monkeypatch):
+    pytest.importorskip('matplotlib')
+    import matplotlib.pyplot as plt
+    import plot
+    monkeypatch.setitem(study.MATRICES, 'ladder', {
+        **study.ladder_cells(('baseline', 'internal_ema'), '1M', '3M', (8e-3,), (1, 2)),
+        **study.ladder_cells(('baseline', 'dyt'), '0.4M', '3M', (8e-3,)),
+        **study.ladder_cells(('internal',), '1M', '3M', (8e-3,))})  # 'end': not on this figure
+    cell = lambda loss: {'status': 'finished', 'final_val_loss': loss}
+    cells = {'baseline-1M-t3M-lr0.008-s1': cell(4.8), 'baseline-1M-t3M-lr0.008-s2': cell(4.9),
+             'internal_ema-1M-t3M-lr0.008-s1': cell(4.7), 'internal_ema-1M-t3M-lr0.008-s2': cell(4.85),
+             'internal-1M-t3M-lr0.008-s1': cell(4.6),
+             'baseline-0.4M-t3M-lr0.008-s1': cell(5.0), 'dyt-0.4M-t3M-lr0.008-s1': cell(5.1)}
+    (tmp_path / 'results.json').write_text(json.dumps({'cells': cells}))
+    plot.main([f'--gap={tmp_path / "results.json"}', f'--out={tmp_path / "g.png"}'])
+    ax = plt.gcf().axes[0]
+    handles, labels = ax.get_legend_handles_labels()
+    assert labels[1:] == ['internal_ema, 1M model', 'dyt, 0.4M model']
+    # non-embedding parameters by hand: per block 12 d² (attention 4 d², MLP 8 d²) + 9 d (the linear layers'
+    # biases) + 2 d (ln_1, ln_2's γ), eight blocks, and ln_f's γ
+    per_param = {d: 8 * (12 * d * d + 11 * d) + d for d in (32, 64)}
+    tokens = 1500 * 16 * 128
+    ema = handles[1]
+    x, = ema.lines[0].get_xdata()
+    assert x / plot.side_by_side(plot.GAP_VARIANTS.index('internal_ema')) == pytest.approx(tokens / per_param[64])
+    gaps = np.array([100 * (4.7 / 4.8 - 1), 100 * (4.85 / 4.9 - 1)])
+    y, = ema.lines[0].get_ydata()
+    assert y == pytest.approx(gaps.mean())
+    (lo, hi), = [seg[:, 1] for seg in ema.lines[2][0].get_segments()]
+    assert (hi - lo) / 2 == pytest.approx(12.7062047 * gaps.std(ddof=1) / np.sqrt(2), rel=1e-6)  # t(0.975, 1 df)
+    dyt = handles[2]
+    assert dyt.lines[0].get_xdata()[0] / plot.side_by_side(plot.GAP_VARIANTS.index('dyt')) == \
+        pytest.approx(tokens / per_param[32])
+    assert not dyt.lines[2] and dyt.lines[0].get_markerfacecolor() == 'white'  # one seed: hollow, no interval
+    assert any('one seed' in t.get_text() for t in ax.texts) and ax.get_xscale() == 'log'
+    plt.close('all')
