@@ -193,7 +193,9 @@ def resolve_device(device, dtype='auto', local_rank=None):
     A CUDA device always comes back with its index: 'cuda' is the current device ('cuda:0' unless
     set), and under DDP (local_rank given) every CUDA device is the rank's own, 'cuda:<local_rank>'
     (without asking CUDA which is current: that would touch device 0 from every rank). torch.cuda
-    calls that take a device (set_device, ...) refuse one without an index.
+    calls that take a device (set_device, ...) refuse one without an index. An index the machine
+    lacks (torch.cuda.device_count(); under DDP a local_rank beyond it) is a SystemExit naming the
+    devices there are.
     """
     if device == 'auto':
         device = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
@@ -210,7 +212,16 @@ def resolve_device(device, dtype='auto', local_rank=None):
                          "(Apple GPU) support; use --device=cpu")
     if kind == 'cuda':
         index = local_rank if local_rank is not None else torch.device(device).index
-        device = f'cuda:{torch.cuda.current_device() if index is None else index}'
+        index = torch.cuda.current_device() if index is None else index
+        count = torch.cuda.device_count()
+        if index >= count:  # refused here: torch.cuda.set_device would raise "invalid device ordinal"
+            have = f"{count} CUDA device{'s' * (count > 1)}, " + ('cuda:0' if count == 1 else f'cuda:0 to cuda:{count - 1}')
+            if local_rank is not None:
+                raise SystemExit(f"config error: LOCAL_RANK={local_rank} (torchrun) but this machine has {have}: "
+                                 f"start at most {count} process{'es' * (count > 1)} per machine "
+                                 f"(torchrun --nproc_per_node={count})")
+            raise SystemExit(f"config error: device={device!r}: this machine has {have}; use one of those")
+        device = f'cuda:{index}'
     if dtype == 'auto':
         dtype = 'bfloat16' if kind == 'cuda' and torch.cuda.is_bf16_supported() else 'float32'
     if dtype not in ('float32', 'bfloat16', 'float16'):
