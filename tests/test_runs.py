@@ -447,6 +447,37 @@ def test_one_checkpoint_loader_with_one_line_errors(tmp_path, content, message):
         train.main([f'--out_dir={tmp_path}', '--init_from=resume'])
 
 
+def test_a_checkpoint_from_a_newer_version_names_the_keys_this_code_does_not_know(toy_data, tmp_path):
+    """A model_args key GPTConfig lacks (a newer version's or a fork's qk_norm), or a config key
+    train.py lacks: one line from every script that loads it, naming the key, never a TypeError
+    and never a guess at what it meant."""
+    import bench
+    import fold
+    import sample
+    out = tmp_path / 'run'
+    train.main(toy_args(toy_data, out, max_iters=12))
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+    newer = tmp_path / 'newer.pt'
+    torch.save({**ckpt, 'model_args': {**ckpt['model_args'], 'qk_norm': True}}, newer)
+    line = (r"has a key this code does not know \(qk_norm\): it was written by a newer or different version of "
+            r"tapernorm; load it with that version$")
+    for run in (lambda: load_model(str(newer)),
+                lambda: sample.main([f'--ckpt={newer}', '--device=cpu']),
+                lambda: fold.main([f'--ckpt={newer}', f'--out={tmp_path / "folded.pt"}', '--device=cpu']),
+                lambda: bench.main([f'--ckpt={newer}', '--device=cpu', '--compile=eager'])):
+        with pytest.raises(SystemExit, match=f'^{newer}: its model_args ' + line):
+            run()
+    with pytest.raises(SystemExit, match='^the checkpoint: its model_args ' + line):
+        runs.model_from_state_dict(ckpt['model'], {**ckpt['model_args'], 'qk_norm': True})
+    torch.save({**ckpt, 'model_args': {**ckpt['model_args'], 'qk_norm': True, 'rope': True}}, out / 'ckpt.pt')
+    with pytest.raises(SystemExit, match=r"its model_args have keys this code does not know \(qk_norm, rope\)"):
+        train.main([f'--out_dir={out}', '--init_from=resume'])
+    torch.save({**ckpt, 'config': {**ckpt['config'], 'ema_decay': 0.99}}, out / 'ckpt.pt')  # a training key
+    with pytest.raises(SystemExit, match=f"^{out / 'ckpt.pt'}: its config has a key this code does not know "
+                                         r"\(ema_decay\): it was written by a newer"):
+        train.main([f'--out_dir={out}', '--init_from=resume'])
+
+
 @pytest.mark.parametrize('device, message', [
     ('mps', 'no MPS'), ('cuda', 'no CUDA device'), ('tpu', "use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"),
     ('cuda:x', "use 'auto'"),
