@@ -532,6 +532,7 @@ def t_quantile(p, df):
     ValueError for a p or df outside those ranges."""
     if not 0.5 < p < 1 or df < 1 or df != int(df):
         raise ValueError(f"t_quantile(p={p}, df={df}): needs 0.5 < p < 1 and a whole df >= 1")
+    df = int(df)  # 3.0 is a whole number too; the series below count terms with it
 
     def central(t):  # P(|T| <= t) with theta = atan(t / sqrt(df))
         theta = math.atan(t / math.sqrt(df))

@@ -358,6 +358,9 @@ def test_t_quantile_matches_the_t_table():
     assert study.t_quantile(0.975, 1) == pytest.approx(math.tan(math.pi * 0.475), rel=1e-9)
     assert study.t_quantile(0.975, 2) == pytest.approx(math.sqrt(2 * 0.95 ** 2 / (1 - 0.95 ** 2)), rel=1e-9)
     assert study.t_quantile(0.95, 2) == pytest.approx(2.920, abs=6e-4)  # one-sided 95 %, 2 df
+    # a whole number given as a float, as the docstring allows: the same quantiles
+    assert study.t_quantile(0.975, 3.0) == pytest.approx(table[3], abs=6e-4)
+    assert study.t_quantile(0.975, 2.0) == pytest.approx(math.sqrt(2 * 0.95 ** 2 / (1 - 0.95 ** 2)), rel=1e-9)
     for p, df in ((0.4, 2), (1.0, 2), (0.975, 0), (0.975, 2.5)):
         with pytest.raises(ValueError, match='needs 0.5 < p < 1 and a whole df'):
             study.t_quantile(p, df)
