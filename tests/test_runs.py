@@ -297,26 +297,27 @@ def test_ctrl_c_during_an_evaluation_is_answered_and_cuts_it_short(toy_data, tmp
     assert load_checkpoint(str(out / 'ckpt.pt'))['iter_num'] == 0
 
 
-def test_a_second_ctrl_c_stops_at_once_without_saving_in_one_line(toy_data, tmp_path, started):
-    """Ctrl-C in a long training step: the step would finish and be saved; a second Ctrl-C ends the
-    process at once, with one more line and no traceback, and the folder keeps the checkpoint
-    written before that step."""
+@pytest.mark.parametrize('how, code', [('SIGINT', 130), ('SIGTERM', 143)])  # docs/runs.md; batch schedulers read it
+def test_a_second_signal_stops_at_once_without_saving_in_one_line(toy_data, tmp_path, started, how, code):
+    """Ctrl-C (or SIGTERM) in a long training step: the step would finish and be saved; a second one
+    ends the process at once, exit 130 (143 for SIGTERM), with one more line and no traceback, and the
+    folder keeps the checkpoint written before that step."""
     out = tmp_path / 'run'
     proc = started(toy_args(toy_data, out, eval_iters=1, gradient_accumulation_steps=5000))
     wait_for_line(read_lines(proc.stdout), 'estimate:', proc)  # printed in the first evaluation's only batch
     time.sleep(1)  # the evaluation is over: step 0, 5000 micro-batches, runs
     errors = read_lines(proc.stderr)
-    proc.send_signal(signal.SIGINT)
-    wait_for_line(errors, 'SIGINT: finishing iteration 0, then saving and stopping', proc)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 130
+    proc.send_signal(getattr(signal, how))
+    wait_for_line(errors, f'{how}: finishing iteration 0, then saving and stopping', proc)
+    proc.send_signal(getattr(signal, how))
+    assert proc.wait(timeout=60) == code
     rest = []
     while True:
         try:
             rest.append(errors.get(timeout=2))
         except queue.Empty:
             break
-    assert rest == ['second SIGINT: stopped at once, without saving; the run folder keeps its last checkpoint\n']
+    assert rest == [f'second {how}: stopped at once, without saving; the run folder keeps its last checkpoint\n']
     assert load_checkpoint(str(out / 'ckpt.pt'))['iter_num'] == 0
     assert not (out / 'log.jsonl').exists() or not read_log(out)
 
