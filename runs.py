@@ -218,8 +218,9 @@ def duration(seconds):
 class Progress:
     """The time a run has left, estimated from its own timings and printed by rank 0: first from
     the first evaluation batch it times (a training step taken as STEP_FORWARDS forward batches per
-    micro-batch: a backward pass costs about two forwards), then once more after its first
-    FIRST_STEPS training steps. On a CPU, an estimate above CPU_LONG_S also prints one line that
+    micro-batch: a backward pass costs about two forwards), a first-batch figure that its line says
+    runs high (1.3-2.1x where measured), then once more after its first
+    FIRST_STEPS training steps (within 5 % where measured). On a CPU, an estimate above CPU_LONG_S also prints one line that
     says so, with `hint` (a shorter command, from train.py) when there is one.
 
     folder: the dataset folder (its val split sets the final losses' batches, runs.final_losses)."""
@@ -251,7 +252,8 @@ class Progress:
             if not self.step_s:
                 step_s = self.STEP_FORWARDS * self.cfg.gradient_accumulation_steps * seconds
                 self.report(self.cfg.max_iters - it, step_s, self.forward_batches_left(it) - 1, seconds,
-                            'from the first evaluation batch')
+                            f'from the first evaluation batch alone (a first-batch figure, often high; a second '
+                            f'estimate follows after {self.FIRST_STEPS} steps)')
 
     def step(self, it, seconds):
         """Training step it took `seconds` (evaluation excluded)."""

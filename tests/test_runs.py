@@ -336,7 +336,8 @@ def test_the_estimate_counts_the_steps_and_forward_batches_left(tmp_path, capsys
     p.evaluation_batch(0, 2.0)  # a step taken as 3 × 2 batches: 12 s; batches left 4 × 2 − 1 + 16 + 88 = 111
     assert capsys.readouterr().out.splitlines() == [  # 16 × 12 + 111 × 2 = 414 s
         'estimate: 7 min left: 16 steps at 12 s and 111 forward batches (evaluations, calibration, final losses) '
-        'at 2 s, from the first evaluation batch',
+        'at 2 s, from the first evaluation batch alone (a first-batch figure, often high; a second estimate follows after '
+        '3 steps)',
         'this run takes about 7 min on this CPU; HINT']
     p.evaluation_batch(4, 9.0)  # only the first batch timed counts
     for it, seconds in enumerate((100.0, 4.0, 6.0)):  # the first step is left out: (4 + 6) / 2 = 5 s
@@ -344,6 +345,29 @@ def test_the_estimate_counts_the_steps_and_forward_batches_left(tmp_path, capsys
     assert capsys.readouterr().out.splitlines() == [  # 13 × 5 + (3 × 2 + 16 + 88) × 2 = 285 s, below 400: no warning
         'estimate: 5 min left: 13 steps at 5 s and 110 forward batches (evaluations, calibration, final losses) '
         'at 2 s, from iterations 1–2']
+
+
+@pytest.mark.parametrize('calibration', [None, 'end'])  # None: the default ('ema'), which toy_args overrides
+def test_the_forward_batches_counted_ahead_are_those_the_run_makes(toy_data, tmp_path, monkeypatch, calibration):
+    """Progress counts, before iteration 0, every forward pass of one batch the run will make without
+    gradients (evaluations, the calibrate event, the final losses); counted here as the run makes them.
+    Under the default calibration the calibrate event's branch-mismatch batches count too."""
+    from model import GPT
+    args = [a for a in toy_args(toy_data, tmp_path / 'run') if not a.startswith('--calibration=')]
+    args += [f'--calibration={calibration}'] if calibration else []
+    cfg = train.load_config(args)
+    ahead = runs.Progress(cfg, SimpleNamespace(world=1, master=True, device_type='cpu'),
+                          str(toy_data / 'toy')).forward_batches_left(0)
+    made, forward = [], GPT.forward
+
+    def counted(self, *a, **kw):
+        if not torch.is_grad_enabled():  # a training forward needs gradients; these do not
+            made.append(1)
+        return forward(self, *a, **kw)
+
+    monkeypatch.setattr(GPT, 'forward', counted)
+    train.main(args)
+    assert len(made) == ahead and cfg.calibration == (calibration or 'ema')
 
 
 def test_a_long_run_on_a_cpu_says_so_in_its_first_evaluation_with_the_cpu_sized_command(toy_data, tmp_path, capsys,
