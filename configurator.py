@@ -26,7 +26,13 @@ import torch
 
 
 class ConfigError(ValueError):
-    """A bad configuration: unknown key, wrong type or value, missing config file."""
+    """A bad configuration: unknown key, wrong type or value, missing config file. keys: the
+    configuration keys whose values the message quotes; configure adds which argument set each
+    (set_by), since a value can come from a file the user did not think of."""
+
+    def __init__(self, message, keys=()):
+        super().__init__(message)
+        self.keys = tuple(keys)
 
 
 def defaults_block(module_globals):
@@ -103,14 +109,16 @@ def check_overlay_order(args):
                               f"config/smoke.py): {' '.join(fixed)}")
 
 
-def parse_args(args, defaults, choices=None, fill=('out_dir',)):
+def parse_args(args, defaults, choices=None, fill=('out_dir',), origins=None):
     """defaults → config files → --key=value, in the order given; returns a new dict.
 
     choices: {key: allowed values} for keys that are choices rather than a type (e.g. compile:
     'auto', True, False). fill: string keys whose {key} placeholders are filled from the final
     values ('out-{dataset}-{taper}'). A value is read as a Python literal, or else kept as
     text; a key whose default is a string always keeps the text (a prompt is never a literal).
-    Raises ConfigError naming the key or argument.
+    origins: a dict to fill with {key: the argument that set it last}, as given ('config/cpu.py',
+    '--max_iters=300'; a config file counts where it changed the value). Raises ConfigError
+    naming the key or argument.
     """
     choices = choices or {}
     cfg = dict(defaults)
@@ -130,6 +138,8 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',)):
                 except (SyntaxError, ValueError):
                     value = text  # a bare word is a string: --compile=auto
             cfg[key] = check_type(key, value, defaults[key], arg, choices.get(key))
+            if origins is not None:
+                origins[key] = arg
         elif '=' in arg and arg.lstrip('-').partition('=')[0].isidentifier():
             raise ConfigError(f"{arg}: did you mean --{arg.lstrip('-')}? Overrides start with two dashes")
         elif not os.path.isfile(arg):
@@ -146,7 +156,10 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',)):
                     continue
                 if key not in cfg:
                     raise unknown_key(key, cfg, f"config file {arg}")
-                cfg[key] = check_type(key, value, defaults[key], arg, choices.get(key))
+                value = check_type(key, value, defaults[key], arg, choices.get(key))
+                if origins is not None and (type(value) is not type(cfg[key]) or value != cfg[key]):
+                    origins[key] = arg
+                cfg[key] = value
     for key in fill:
         if key in cfg:
             try:
@@ -157,20 +170,32 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',)):
     return cfg
 
 
+def set_by(origins, keys):
+    """'; set by config/cpu.py (gate_warmup_iters, taper_iters), --max_iters=300 (max_iters)': which
+    argument set each of keys (origins from parse_args; 'the defaults' for those none set), for a
+    message that quotes values the user may not have typed; '' for no keys."""
+    by = {}
+    for key in keys:
+        by.setdefault(origins.get(key, 'the defaults'), []).append(key)
+    return '; set by ' + ', '.join(f"{arg} ({', '.join(ks)})" for arg, ks in by.items()) if by else ''
+
+
 def configure(argv, module_globals, choices=None, validate=None):
     """The configuration of the calling script as a SimpleNamespace (see parse_args), after
     validate(cfg dict) when given (it raises ConfigError). -h / --help prints the script's
-    docstring and keys and exits 0; a ConfigError exits with its one-line message."""
+    docstring and keys and exits 0; a ConfigError exits with its one-line message, which names
+    the arguments that set the keys it quotes (ConfigError.keys, set_by)."""
     if '-h' in argv or '--help' in argv:
         print((module_globals.get('__doc__') or '').strip() + '\n\nkeys (--key=value):\n'
               + defaults_block(module_globals))
         raise SystemExit(0)
+    origins = {}
     try:
-        cfg = parse_args(argv, defaults_of(module_globals), choices)
+        cfg = parse_args(argv, defaults_of(module_globals), choices, origins=origins)
         if validate is not None:
             validate(cfg)
     except ConfigError as e:
-        raise SystemExit(f"config error: {e}")
+        raise SystemExit(f"config error: {e}{set_by(origins, e.keys)}")
     return SimpleNamespace(**cfg)
 
 

@@ -138,7 +138,16 @@ def scale_schedule(cfg):
 
 def validate(cfg):
     """Resolve schedule_scale (scale_schedule), then raise ConfigError for values the schedule or
-    training cannot run with (docs/method.md §2); the model's own keys are GPTConfig's to check."""
+    training cannot run with (docs/method.md §2); the model's own keys are GPTConfig's to check.
+    A step count that schedule_scale changed is quoted with the value it was scaled from."""
+    given = dict(cfg)  # the step counts as the files and overrides set them
+
+    def counts(*keys):  # (the text after their values, the keys the message quotes)
+        if given['schedule_scale'] == 1:
+            return '', keys
+        return (f" (schedule_scale={given['schedule_scale']:g} scaled "
+                + ', '.join(f"{k} {given[k]} → {cfg[k]}" for k in keys) + ")"), (*keys, 'schedule_scale')
+
     scale_schedule(cfg)
     try:
         GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})
@@ -157,8 +166,9 @@ def validate(cfg):
         if cfg[key] < 0:
             raise ConfigError(f"{key}={cfg[key]} must be >= 0")
     if cfg['lr_decay_iters'] <= cfg['warmup_iters']:  # above max_iters is allowed: a run cut short of its decay
-        raise ConfigError(f"lr_decay_iters={cfg['lr_decay_iters']} must exceed warmup_iters={cfg['warmup_iters']}: "
-                          f"the cosine decay runs from warmup_iters to lr_decay_iters (usually max_iters)")
+        text, keys = counts('lr_decay_iters', 'warmup_iters')
+        raise ConfigError(f"lr_decay_iters={cfg['lr_decay_iters']} must exceed warmup_iters={cfg['warmup_iters']}"
+                          f"{text}: the cosine decay runs from warmup_iters to lr_decay_iters (usually max_iters)", keys)
     if cfg['taper'] != 'none':
         W, T = cfg['gate_warmup_iters'], cfg['taper_iters']
         if W < 1:
@@ -166,13 +176,15 @@ def validate(cfg):
         if T < 1:
             raise ConfigError(f"taper_iters={T} must be >= 1")
         if W + T > cfg['max_iters']:
-            raise ConfigError(f"gate_warmup_iters + taper_iters = {W + T} exceeds max_iters="
-                              f"{cfg['max_iters']}: the gate must reach 0 before training ends")
+            text, keys = counts('gate_warmup_iters', 'taper_iters', 'max_iters')
+            raise ConfigError(f"gate_warmup_iters + taper_iters = {W + T} exceeds max_iters={cfg['max_iters']}{text}: "
+                              f"the gate must reach 0 before training ends (lower them, or raise max_iters)", keys)
     if cfg['norm_removal'] == 'fakeln':
         events = len(FAKELN_EVENTS) * cfg['fakeln_interval']
         if cfg['fakeln_interval'] < 1 or events > cfg['max_iters']:
+            text, keys = counts('fakeln_interval', 'max_iters')
             raise ConfigError(f"fakeln_interval={cfg['fakeln_interval']}: its {len(FAKELN_EVENTS)} events need "
-                              f"1 <= {len(FAKELN_EVENTS)} × fakeln_interval <= max_iters={cfg['max_iters']}")
+                              f"1 <= {len(FAKELN_EVENTS)} × fakeln_interval <= max_iters={cfg['max_iters']}{text}", keys)
 
 
 def load_config(argv):

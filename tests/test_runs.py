@@ -561,6 +561,26 @@ def test_the_smoke_overlay_crosses_every_phase_and_no_example_keeps_a_longer_sch
                 assert cfg.gate_warmup_iters + cfg.taper_iters < cfg.max_iters  # a linear phase too
 
 
+def test_a_refused_schedule_says_which_argument_set_each_value_it_quotes_and_what_was_scaled():
+    """config/cpu.py sets W = 150 and T = 750; after --max_iters=300, config/smoke.py's schedule_scale is
+    150 / 300 = 0.5, so W = 75, T = 375, 450 steps in a run of 150: values nobody typed, so the line says
+    where each came from and what schedule_scale made of it."""
+    def refused(args):
+        with pytest.raises(SystemExit) as e:
+            train.load_config(args)
+        assert '\n' not in str(e.value)
+        return str(e.value)
+
+    msg = refused(['config/tinystories_all_taper.py', 'config/cpu.py', '--max_iters=300', 'config/smoke.py'])
+    assert msg.startswith('config error: gate_warmup_iters + taper_iters = 450 exceeds max_iters=150 (schedule_scale=0.5 '
+                          'scaled gate_warmup_iters 150 → 75, taper_iters 750 → 375, max_iters 300 → 150): ')
+    assert msg.endswith('; set by config/cpu.py (gate_warmup_iters, taper_iters), --max_iters=300 (max_iters), '
+                        'config/smoke.py (schedule_scale)')
+    msg = refused(['config/tinystories_all_taper.py', 'config/cpu.py', '--max_iters=800'])  # 150 + 750 > 800, unscaled
+    assert 'schedule_scale' not in msg and msg.endswith(
+        '; set by config/cpu.py (gate_warmup_iters, taper_iters), --max_iters=800 (max_iters)')
+
+
 def test_schedule_scale_scales_every_step_count_once_and_a_resume_keeps_them(toy_data, tmp_path):
     # config/cpu.py: 1500 steps, LR warmup 150, W 150, T 750, evaluations every 250; worked by hand at 0.1
     cfg = train.load_config(['config/tinystories_internal_taper.py', 'config/cpu.py', '--schedule_scale=0.1'])
