@@ -84,16 +84,24 @@ def prepare_command(dataset):
     return f'python data/text/prepare.py --name={dataset}   (offline: {local})' if dataset in PUBLIC_CORPORA else local
 
 
-def find_dataset(cfg, may_prepare):
+def find_dataset(cfg, may_prepare, cpu_hint=''):
     """Return (dataset folder, meta dict) after check_dataset; prepare TinyStories when it is
     missing. A relative data_dir is relative to the repository (where prepare.py writes), not
     to the working folder. SystemExit with the exact prepare command when the data is missing.
+    cpu_hint: for a run on a CPU, the rest of a line on the command that runs it at CPU size
+    (train.cpu_hint), added to a failed TinyStories download's message, which Progress never
+    gets to say.
     """
     folder = os.path.join(REPO, cfg.data_dir, cfg.dataset)
     if not os.path.exists(os.path.join(folder, 'train.bin')) and cfg.dataset == 'tinystories' and may_prepare:
         from data.tinystories import prepare as tinystories  # downloads; offline it says how to pass files
         print(f"{folder}/train.bin not found: preparing TinyStories first")
-        tinystories.main([f'--out_dir={folder}'])
+        try:
+            tinystories.main([f'--out_dir={folder}'])
+        except SystemExit as e:
+            if cpu_hint and isinstance(e.code, str):  # a 2 GB download for a run sized for a GPU
+                raise SystemExit(f"{e.code}\nthis run is on a CPU{cpu_hint}") from None
+            raise
     for name in ('train.bin', 'val.bin', 'meta.json'):
         if not os.path.exists(os.path.join(folder, name)):
             raise SystemExit(f"{os.path.join(folder, name)} not found. Prepare the dataset first:\n"

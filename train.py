@@ -489,7 +489,8 @@ def main(argv):
     if env.compile:
         check_compiler(env.dev)
     tokens_per_iter = windows_per_step(cfg, env) * cfg.block_size
-    folder, meta = find_dataset(cfg, may_prepare=not env.ddp)
+    folder, meta = find_dataset(cfg, may_prepare=not env.ddp,
+                                cpu_hint=cpu_hint(argv) if env.device_type == 'cpu' else '')
     if cfg.sampler == 'epoch':
         check_one_pass(folder, cfg, env)
     model_args = {k: getattr(cfg, k) for k in MODEL_KEYS}

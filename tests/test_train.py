@@ -382,8 +382,12 @@ def test_main_command_prepares_tinystories_when_missing(tmp_path, monkeypatch):
         raise OSError('network is unreachable')
 
     monkeypatch.setitem(sys.modules, 'huggingface_hub', types.SimpleNamespace(hf_hub_download=offline))
-    with pytest.raises(SystemExit, match='--input=/path/to/TinyStoriesV2-GPT4-train.txt'):
+    with pytest.raises(SystemExit, match='--input=/path/to/TinyStoriesV2-GPT4-train.txt') as e:
         train.main(args[:1] + [f'--data_dir={tmp_path}/empty'] + args[2:])
+    # on a CPU (--device=cpu) the failed download also says what the run would take there, as the run
+    # itself says once the data is on disk: the variant at CPU size, config/cpu.py
+    assert str(e.value).splitlines()[-1] == 'this run is on a CPU' + train.cpu_hint(args)
+    assert ': python train.py config/tinystories_internal_taper.py config/cpu.py;' in str(e.value)
 
 
 # ---- the numbers train.py reports, against plain torch ---------------------------------
