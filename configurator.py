@@ -92,11 +92,16 @@ def overlay_rank(path):
     return 0
 
 
+def config_files(args):
+    """The config files among a script's arguments, in the order given (the rest are --key=value)."""
+    return [a for a in args if not a.startswith('-') and '=' not in a and os.path.isfile(a)]
+
+
 def check_overlay_order(args):
     """ConfigError unless the config files among args come in overlay_rank order (base configs,
     then config/cpu.py, then config/smoke.py): a file applied out of order would undo or rescale
     another. The message gives every argument back in the order that works."""
-    files = [a for a in args if not a.startswith('-') and '=' not in a and os.path.isfile(a)]
+    files = config_files(args)
     ranks = [overlay_rank(f) for f in files]
     for i in range(1, len(files)):
         early = max(range(i), key=lambda j: ranks[j])  # the overlay that file i should precede
@@ -269,6 +274,14 @@ def set_tf32(device, dtype):
     torch.backends.cuda.matmul.allow_tf32 = on
     torch.backends.cudnn.allow_tf32 = on
     return on
+
+
+def changed_keys(cfg, defaults, leave_out=()):
+    """'key=value key=value ...': the keys of the configuration dict cfg whose values differ from
+    defaults, in the defaults' order (strings quoted), leaving out `leave_out` (keys a caller shows
+    already); '' when none differs. What a run's header prints so that a reader sees every key changed."""
+    return ' '.join(f"{k}={cfg[k]!r}" for k in defaults
+                    if k not in leave_out and (type(cfg[k]) is not type(defaults[k]) or cfg[k] != defaults[k]))
 
 
 def keys_set(argv, defaults, keys, choices=None):

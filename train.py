@@ -41,7 +41,8 @@ import torch
 from tqdm import tqdm
 
 from baselines import DYT_SATURATED, FAKELN_EVENTS, fakeln_step, final_dyt_saturated, remove_norms
-from configurator import ConfigError, check_compiler, configure, defaults_of, keys_set, overlay_rank
+from configurator import (ConfigError, changed_keys, check_compiler, config_files, configure, defaults_of, keys_set,
+                          overlay_rank)
 from gpt2 import GPT2_MODELS, PRETRAINED_SHAPE, PretrainedError, from_pretrained, pretrained_args
 from model import GPT, GPTConfig
 from runs import (Progress, StopSignal, batch_rng, claim_out_dir, compile_model, end_processes, final_losses,
@@ -466,7 +467,7 @@ def cpu_hint(argv):
     """For runs.Progress, when a run is long on a CPU: argv's config files with config/cpu.py
     (the variant at CPU size) and config/smoke.py (every phase in 150 steps) where they are
     missing, in the order they apply, as the rest of its line; '' when both are given."""
-    files = [a for a in argv if not a.startswith('-') and os.path.isfile(a)]
+    files = config_files(argv)
     given = {os.path.realpath(f) for f in files}
     cpu, smoke = (os.path.relpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'config', name))
                   for name in ('cpu.py', 'smoke.py'))
@@ -480,6 +481,23 @@ def cpu_hint(argv):
                 f"Austen's novels, prepared by python data/text/prepare.py --name=austen): {command(cpu)}; "
                 f"every phase in 150 steps: {command(cpu, smoke)}")
     return f"; every phase in 150 steps: {command(smoke)}" if os.path.realpath(smoke) not in given else ''
+
+
+HEADER_KEYS = ('taper', 'norm', 'aux_weight', 'device', 'dtype', 'compile', 'out_dir')  # what the header line shows
+
+
+def config_line(argv, cfg):
+    """The line under the run's header: every key whose value differs from train.py's defaults
+    (configurator.changed_keys; the header's own HEADER_KEYS aside), so that a reader sees what
+    the run changed. For overlays given without a base config (python train.py config/cpu.py), it
+    first says which base they changed: train.py's defaults, the TinyStories baseline."""
+    files = config_files(argv)
+    changed = changed_keys(vars(cfg), defaults_of(globals()), HEADER_KEYS)
+    base = ''
+    if cfg.init_from != 'resume' and files and all(overlay_rank(f) > 0 for f in files):
+        base = (f"no base config before {files[0]}: it changes train.py's defaults, the TinyStories baseline's "
+                "(config/tinystories_baseline.py, taper='none'; give a base config first for a TaperNorm variant); ")
+    return f"{base}changed from train.py's defaults: {changed or 'nothing'}"
 
 
 def main(argv):
@@ -527,6 +545,7 @@ def main(argv):
               f"λ={cfg.aux_weight} | device={env.dev} dtype={env.dtype} tf32={env.tf32} compile={env.compile} "
               f"world={env.world} | "
               f"{tokens_per_iter:,} tokens/iter | writing {ckpt_path} and log.jsonl")
+        print(config_line(argv, cfg))
 
     # ---- the training loop ----
     schedule = (cfg.taper, cfg.gate_warmup_iters, cfg.taper_iters)
