@@ -245,7 +245,8 @@ def resolve_device(device, dtype='auto', local_rank=None):
         index = torch.cuda.current_device() if index is None else index
         count = torch.cuda.device_count()
         if index >= count:  # refused here: torch.cuda.set_device would raise "invalid device ordinal"
-            have = f"{count} CUDA device{'s' * (count > 1)}, " + ('cuda:0' if count == 1 else f'cuda:0 to cuda:{count - 1}')
+            have = (f"{count} CUDA device{'s' * (count > 1)}, "
+                    + ('cuda:0' if count == 1 else f'cuda:0 to cuda:{count - 1}'))
             if local_rank is not None:
                 raise SystemExit(f"config error: LOCAL_RANK={local_rank} (torchrun) but this machine has {have}: "
                                  f"start at most {count} process{'es' * (count > 1)} per machine "

@@ -227,8 +227,8 @@ class Progress:
     """The time a run has left, estimated from its own timings and printed by rank 0: first from
     the first evaluation batch it times (a training step taken as STEP_FORWARDS forward batches per
     micro-batch: a backward pass costs about two forwards), a first-batch figure that its line says
-    runs high (1.3-2.1x where measured), then once more after its first
-    FIRST_STEPS training steps (within 5 % where measured). On a CPU, an estimate above CPU_LONG_S also prints one line that
+    runs high (1.3-2.1x where measured), then once more after its first FIRST_STEPS training steps
+    (within 5 % where measured). On a CPU, an estimate above CPU_LONG_S also prints one line that
     says so, with `hint` (a shorter command, from train.py) when there is one.
 
     folder: the dataset folder (its val split sets the final losses' batches, runs.final_losses)."""

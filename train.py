@@ -169,7 +169,8 @@ def validate(cfg):
     if cfg['lr_decay_iters'] <= cfg['warmup_iters']:  # above max_iters is allowed: a run cut short of its decay
         text, keys = counts('lr_decay_iters', 'warmup_iters')
         raise ConfigError(f"lr_decay_iters={cfg['lr_decay_iters']} must exceed warmup_iters={cfg['warmup_iters']}"
-                          f"{text}: the cosine decay runs from warmup_iters to lr_decay_iters (usually max_iters)", keys)
+                          f"{text}: the cosine decay runs from warmup_iters to lr_decay_iters (usually max_iters)",
+                          keys)
     if cfg['taper'] != 'none':
         W, T = cfg['gate_warmup_iters'], cfg['taper_iters']
         if W < 1:
@@ -185,7 +186,8 @@ def validate(cfg):
         if cfg['fakeln_interval'] < 1 or events > cfg['max_iters']:
             text, keys = counts('fakeln_interval', 'max_iters')
             raise ConfigError(f"fakeln_interval={cfg['fakeln_interval']}: its {len(FAKELN_EVENTS)} events need "
-                              f"1 <= {len(FAKELN_EVENTS)} × fakeln_interval <= max_iters={cfg['max_iters']}{text}", keys)
+                              f"1 <= {len(FAKELN_EVENTS)} × fakeln_interval <= max_iters={cfg['max_iters']}{text}",
+                              keys)
 
 
 def load_config(argv):

@@ -336,8 +336,8 @@ def test_the_estimate_counts_the_steps_and_forward_batches_left(tmp_path, capsys
     p.evaluation_batch(0, 2.0)  # a step taken as 3 × 2 batches: 12 s; batches left 4 × 2 − 1 + 16 + 88 = 111
     assert capsys.readouterr().out.splitlines() == [  # 16 × 12 + 111 × 2 = 414 s
         'estimate: 7 min left: 16 steps at 12 s and 111 forward batches (evaluations, calibration, final losses) '
-        'at 2 s, from the first evaluation batch alone (a first-batch figure, often high; a second estimate follows after '
-        '3 steps)',
+        'at 2 s, from the first evaluation batch alone (a first-batch figure, often high; a second estimate follows '
+        'after 3 steps)',
         'this run takes about 7 min on this CPU; HINT']
     p.evaluation_batch(4, 9.0)  # only the first batch timed counts
     for it, seconds in enumerate((100.0, 4.0, 6.0)):  # the first step is left out: (4 + 6) / 2 = 5 s
@@ -572,8 +572,9 @@ def test_a_refused_schedule_says_which_argument_set_each_value_it_quotes_and_wha
         return str(e.value)
 
     msg = refused(['config/tinystories_all_taper.py', 'config/cpu.py', '--max_iters=300', 'config/smoke.py'])
-    assert msg.startswith('config error: gate_warmup_iters + taper_iters = 450 exceeds max_iters=150 (schedule_scale=0.5 '
-                          'scaled gate_warmup_iters 150 → 75, taper_iters 750 → 375, max_iters 300 → 150): ')
+    assert msg.startswith('config error: gate_warmup_iters + taper_iters = 450 exceeds max_iters=150 '
+                          '(schedule_scale=0.5 scaled gate_warmup_iters 150 → 75, taper_iters 750 → 375, '
+                          'max_iters 300 → 150): ')
     assert msg.endswith('; set by config/cpu.py (gate_warmup_iters, taper_iters), --max_iters=300 (max_iters), '
                         'config/smoke.py (schedule_scale)')
     msg = refused(['config/tinystories_all_taper.py', 'config/cpu.py', '--max_iters=800'])  # 150 + 750 > 800, unscaled
