@@ -26,7 +26,13 @@ import torch
 
 
 class ConfigError(ValueError):
-    """A bad configuration: unknown key, wrong type or value, missing config file."""
+    """A bad configuration: unknown key, wrong type or value, missing config file. keys: the
+    configuration keys whose values the message quotes; configure adds which argument set each
+    (set_by), since a value can come from a file the user did not think of."""
+
+    def __init__(self, message, keys=()):
+        super().__init__(message)
+        self.keys = tuple(keys)
 
 
 def defaults_block(module_globals):
@@ -86,11 +92,16 @@ def overlay_rank(path):
     return 0
 
 
+def config_files(args):
+    """The config files among a script's arguments, in the order given (the rest are --key=value)."""
+    return [a for a in args if not a.startswith('-') and '=' not in a and os.path.isfile(a)]
+
+
 def check_overlay_order(args):
     """ConfigError unless the config files among args come in overlay_rank order (base configs,
     then config/cpu.py, then config/smoke.py): a file applied out of order would undo or rescale
     another. The message gives every argument back in the order that works."""
-    files = [a for a in args if not a.startswith('-') and '=' not in a and os.path.isfile(a)]
+    files = config_files(args)
     ranks = [overlay_rank(f) for f in files]
     for i in range(1, len(files)):
         early = max(range(i), key=lambda j: ranks[j])  # the overlay that file i should precede
@@ -103,14 +114,16 @@ def check_overlay_order(args):
                               f"config/smoke.py): {' '.join(fixed)}")
 
 
-def parse_args(args, defaults, choices=None, fill=('out_dir',)):
+def parse_args(args, defaults, choices=None, fill=('out_dir',), origins=None):
     """defaults → config files → --key=value, in the order given; returns a new dict.
 
     choices: {key: allowed values} for keys that are choices rather than a type (e.g. compile:
     'auto', True, False). fill: string keys whose {key} placeholders are filled from the final
     values ('out-{dataset}-{taper}'). A value is read as a Python literal, or else kept as
     text; a key whose default is a string always keeps the text (a prompt is never a literal).
-    Raises ConfigError naming the key or argument.
+    origins: a dict to fill with {key: the argument that set it last}, as given ('config/cpu.py',
+    '--max_iters=300'; a config file counts where it changed the value). Raises ConfigError
+    naming the key or argument.
     """
     choices = choices or {}
     cfg = dict(defaults)
@@ -130,6 +143,8 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',)):
                 except (SyntaxError, ValueError):
                     value = text  # a bare word is a string: --compile=auto
             cfg[key] = check_type(key, value, defaults[key], arg, choices.get(key))
+            if origins is not None:
+                origins[key] = arg
         elif '=' in arg and arg.lstrip('-').partition('=')[0].isidentifier():
             raise ConfigError(f"{arg}: did you mean --{arg.lstrip('-')}? Overrides start with two dashes")
         elif not os.path.isfile(arg):
@@ -146,7 +161,10 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',)):
                     continue
                 if key not in cfg:
                     raise unknown_key(key, cfg, f"config file {arg}")
-                cfg[key] = check_type(key, value, defaults[key], arg, choices.get(key))
+                value = check_type(key, value, defaults[key], arg, choices.get(key))
+                if origins is not None and (type(value) is not type(cfg[key]) or value != cfg[key]):
+                    origins[key] = arg
+                cfg[key] = value
     for key in fill:
         if key in cfg:
             try:
@@ -157,20 +175,32 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',)):
     return cfg
 
 
+def set_by(origins, keys):
+    """'; set by config/cpu.py (gate_warmup_iters, taper_iters), --max_iters=300 (max_iters)': which
+    argument set each of keys (origins from parse_args; 'the defaults' for those none set), for a
+    message that quotes values the user may not have typed; '' for no keys."""
+    by = {}
+    for key in keys:
+        by.setdefault(origins.get(key, 'the defaults'), []).append(key)
+    return '; set by ' + ', '.join(f"{arg} ({', '.join(ks)})" for arg, ks in by.items()) if by else ''
+
+
 def configure(argv, module_globals, choices=None, validate=None):
     """The configuration of the calling script as a SimpleNamespace (see parse_args), after
     validate(cfg dict) when given (it raises ConfigError). -h / --help prints the script's
-    docstring and keys and exits 0; a ConfigError exits with its one-line message."""
+    docstring and keys and exits 0; a ConfigError exits with its one-line message, which names
+    the arguments that set the keys it quotes (ConfigError.keys, set_by)."""
     if '-h' in argv or '--help' in argv:
         print((module_globals.get('__doc__') or '').strip() + '\n\nkeys (--key=value):\n'
               + defaults_block(module_globals))
         raise SystemExit(0)
+    origins = {}
     try:
-        cfg = parse_args(argv, defaults_of(module_globals), choices)
+        cfg = parse_args(argv, defaults_of(module_globals), choices, origins=origins)
         if validate is not None:
             validate(cfg)
     except ConfigError as e:
-        raise SystemExit(f"config error: {e}")
+        raise SystemExit(f"config error: {e}{set_by(origins, e.keys)}")
     return SimpleNamespace(**cfg)
 
 
@@ -193,7 +223,9 @@ def resolve_device(device, dtype='auto', local_rank=None):
     A CUDA device always comes back with its index: 'cuda' is the current device ('cuda:0' unless
     set), and under DDP (local_rank given) every CUDA device is the rank's own, 'cuda:<local_rank>'
     (without asking CUDA which is current: that would touch device 0 from every rank). torch.cuda
-    calls that take a device (set_device, ...) refuse one without an index.
+    calls that take a device (set_device, ...) refuse one without an index. An index the machine
+    lacks (torch.cuda.device_count(); under DDP a local_rank beyond it) is a SystemExit naming the
+    devices there are.
     """
     if device == 'auto':
         device = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
@@ -210,7 +242,17 @@ def resolve_device(device, dtype='auto', local_rank=None):
                          "(Apple GPU) support; use --device=cpu")
     if kind == 'cuda':
         index = local_rank if local_rank is not None else torch.device(device).index
-        device = f'cuda:{torch.cuda.current_device() if index is None else index}'
+        index = torch.cuda.current_device() if index is None else index
+        count = torch.cuda.device_count()
+        if index >= count:  # refused here: torch.cuda.set_device would raise "invalid device ordinal"
+            have = (f"{count} CUDA device{'s' * (count > 1)}, "
+                    + ('cuda:0' if count == 1 else f'cuda:0 to cuda:{count - 1}'))
+            if local_rank is not None:
+                raise SystemExit(f"config error: LOCAL_RANK={local_rank} (torchrun) but this machine has {have}: "
+                                 f"start at most {count} process{'es' * (count > 1)} per machine "
+                                 f"(torchrun --nproc_per_node={count})")
+            raise SystemExit(f"config error: device={device!r}: this machine has {have}; use one of those")
+        device = f'cuda:{index}'
     if dtype == 'auto':
         dtype = 'bfloat16' if kind == 'cuda' and torch.cuda.is_bf16_supported() else 'float32'
     if dtype not in ('float32', 'bfloat16', 'float16'):
@@ -233,6 +275,14 @@ def set_tf32(device, dtype):
     torch.backends.cuda.matmul.allow_tf32 = on
     torch.backends.cudnn.allow_tf32 = on
     return on
+
+
+def changed_keys(cfg, defaults, leave_out=()):
+    """'key=value key=value ...': the keys of the configuration dict cfg whose values differ from
+    defaults, in the defaults' order (strings quoted), leaving out `leave_out` (keys a caller shows
+    already); '' when none differs. What a run's header prints so that a reader sees every key changed."""
+    return ' '.join(f"{k}={cfg[k]!r}" for k in defaults
+                    if k not in leave_out and (type(cfg[k]) is not type(defaults[k]) or cfg[k] != defaults[k]))
 
 
 def keys_set(argv, defaults, keys, choices=None):

@@ -91,7 +91,7 @@ def best_points(results_path):
         c = study.cell_config(next(a for n, a in args.items() if n.split('-')[1:3] == [size, 't' + budget]))
         tokens = c['max_iters'] * c['batch_size'] * c['block_size'] * c['gradient_accumulation_steps']
         for v, (lr, by_seed, note) in by_v.items():
-            gaps = study.paired_gap(by_seed, base[1])
+            gaps = list(study.paired_gap(by_seed, base[1]).values())
             if v != 'baseline' and v not in study.LADDER_ABLATIONS and gaps:
                 lines.setdefault((size, v), []).append((tokens, gaps, [x['final_val_loss'] for x in by_seed.values()
                                                                        if x['status'] == 'finished'],

@@ -8,6 +8,7 @@ atomically, read by one loader, a model built from one). From a user's side they
 docs/runs.md.
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -40,13 +41,15 @@ def resume_config(argv, out_dir, defaults, choices, validate, free):
     """For --init_from=resume: (configuration, checkpoint). The configuration is the one stored
     in out_dir/ckpt.pt (over the script's defaults, for keys it predates), with argv's config files
     and overrides applied on top and checked by validate; keys outside `free` must keep their
-    stored values, else SystemExit listing every difference. An argv that sets schedule_scale is
+    stored values, else SystemExit listing every difference; SystemExit too for a stored key the
+    defaults lack (unknown_keys). An argv that sets schedule_scale is
     resolved from the defaults, as its first run was: the command that started a run resumes it."""
     path = os.path.join(out_dir, 'ckpt.pt')
     if not os.path.exists(path):
         raise SystemExit(f"--init_from=resume: {path} not found; train from scratch first "
                          "or point --out_dir at the run to continue")
     ckpt = load_checkpoint(path, 'cpu')
+    unknown_keys(path, 'config', ckpt['config'], defaults)  # a newer version's key: never guess what it meant
     absent = {k: v for k, v in CONFIG_ABSENT_MEANS.items() if k in defaults}  # what a key it lacks meant
     stored = {**defaults, **absent, **ckpt['config']}
     try:
@@ -84,16 +87,24 @@ def prepare_command(dataset):
     return f'python data/text/prepare.py --name={dataset}   (offline: {local})' if dataset in PUBLIC_CORPORA else local
 
 
-def find_dataset(cfg, may_prepare):
+def find_dataset(cfg, may_prepare, cpu_hint=''):
     """Return (dataset folder, meta dict) after check_dataset; prepare TinyStories when it is
     missing. A relative data_dir is relative to the repository (where prepare.py writes), not
     to the working folder. SystemExit with the exact prepare command when the data is missing.
+    cpu_hint: for a run on a CPU, the rest of a line on the command that runs it at CPU size
+    (train.cpu_hint), added to a failed TinyStories download's message, which Progress never
+    gets to say.
     """
     folder = os.path.join(REPO, cfg.data_dir, cfg.dataset)
     if not os.path.exists(os.path.join(folder, 'train.bin')) and cfg.dataset == 'tinystories' and may_prepare:
         from data.tinystories import prepare as tinystories  # downloads; offline it says how to pass files
         print(f"{folder}/train.bin not found: preparing TinyStories first")
-        tinystories.main([f'--out_dir={folder}'])
+        try:
+            tinystories.main([f'--out_dir={folder}'])
+        except SystemExit as e:
+            if cpu_hint and isinstance(e.code, str):  # a 2 GB download for a run sized for a GPU
+                raise SystemExit(f"{e.code}\nthis run is on a CPU{cpu_hint}") from None
+            raise
     for name in ('train.bin', 'val.bin', 'meta.json'):
         if not os.path.exists(os.path.join(folder, name)):
             raise SystemExit(f"{os.path.join(folder, name)} not found. Prepare the dataset first:\n"
@@ -218,8 +229,9 @@ def duration(seconds):
 class Progress:
     """The time a run has left, estimated from its own timings and printed by rank 0: first from
     the first evaluation batch it times (a training step taken as STEP_FORWARDS forward batches per
-    micro-batch: a backward pass costs about two forwards), then once more after its first
-    FIRST_STEPS training steps. On a CPU, an estimate above CPU_LONG_S also prints one line that
+    micro-batch: a backward pass costs about two forwards), a first-batch figure that its line says
+    runs high (1.3-2.1x where measured), then once more after its first FIRST_STEPS training steps
+    (within 5 % where measured). On a CPU, an estimate above CPU_LONG_S also prints one line that
     says so, with `hint` (a shorter command, from train.py) when there is one.
 
     folder: the dataset folder (its val split sets the final losses' batches, runs.final_losses)."""
@@ -251,7 +263,8 @@ class Progress:
             if not self.step_s:
                 step_s = self.STEP_FORWARDS * self.cfg.gradient_accumulation_steps * seconds
                 self.report(self.cfg.max_iters - it, step_s, self.forward_batches_left(it) - 1, seconds,
-                            'from the first evaluation batch')
+                            f'from the first evaluation batch alone (a first-batch figure, often high; a second '
+                            f'estimate follows after {self.FIRST_STEPS} steps)')
 
     def step(self, it, seconds):
         """Training step it took `seconds` (evaluation excluded)."""
@@ -514,7 +527,8 @@ CONFIG_ABSENT_MEANS = {**ABSENT_MEANS, 'calibration': 'ema'}
 def load_checkpoint(path, device='cpu'):
     """The dict that train.py or fold.py saved at path, tensors on device (weights_only: no
     code runs). The one loader every script uses; SystemExit with one line that says what is
-    wrong: no file (a run folder names its ckpt.pt), not a readable checkpoint, missing keys.
+    wrong: no file (a run folder names its ckpt.pt), not a readable checkpoint, missing keys,
+    model_args keys this code does not know (model_config).
     """
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, 'ckpt.pt')):
         raise SystemExit(f"{path} is a run folder: pass its checkpoint, {os.path.join(path, 'ckpt.pt')}")
@@ -529,13 +543,32 @@ def load_checkpoint(path, device='cpu'):
     if missing:
         raise SystemExit(f"{path} is not a tapernorm checkpoint: it lacks {', '.join(missing)}")
     ckpt['model_args'] = {**ABSENT_MEANS, **ckpt['model_args']}  # an older checkpoint: what it meant
+    model_config(ckpt['model_args'], path)
     return ckpt
+
+
+def unknown_keys(where, what, keys, known):
+    """SystemExit naming the keys among `keys` that are not in `known` (the checkpoint at `where`,
+    its `what`: 'model_args', 'config'): a newer version or a fork wrote it, and what they mean is
+    not guessed. Returns None when every key is known."""
+    unknown = [k for k in keys if k not in known]
+    if unknown:
+        raise SystemExit(f"{where}: its {what} {'has a key' if len(unknown) == 1 else 'have keys'} this code does not "
+                         f"know ({', '.join(unknown)}): it was written by a newer or different version of tapernorm; "
+                         "load it with that version")
+
+
+def model_config(model_args, where='the checkpoint'):
+    """GPTConfig(**model_args); SystemExit in one line (unknown_keys) when model_args holds a key
+    GPTConfig lacks, instead of GPTConfig's TypeError."""
+    unknown_keys(where, 'model_args', model_args, {f.name for f in dataclasses.fields(GPTConfig)})
+    return GPTConfig(**model_args)
 
 
 def model_from_state_dict(state_dict, model_args):
     """A model built from GPTConfig(**model_args) with state_dict loaded, in eval mode and
-    in the phase its buffers imply."""
-    model = GPT(GPTConfig(**model_args))
+    in the phase its buffers imply. SystemExit for model_args this code does not know (model_config)."""
+    model = GPT(model_config(model_args))
     model.load_state_dict(state_dict)
     model.set_phase(implied_phase(model))
     return model.eval()

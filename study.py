@@ -544,6 +544,7 @@ def t_quantile(p, df):
     ValueError for a p or df outside those ranges."""
     if not 0.5 < p < 1 or df < 1 or df != int(df):
         raise ValueError(f"t_quantile(p={p}, df={df}): needs 0.5 < p < 1 and a whole df >= 1")
+    df = int(df)  # 3.0 is a whole number too; the series below count terms with it
 
     def central(t):  # P(|T| <= t) with theta = atan(t / sqrt(df))
         theta = math.atan(t / math.sqrt(df))
@@ -586,13 +587,14 @@ def fmt(m_sd, digits=4, pct=False):
     return f"{m:.{digits}f}" if math.isnan(sd) else f"{m:.{digits}f} ± {sd:.{digits}f}"
 
 
-def fmt_gap(gaps):
+def fmt_gap(gaps, over=''):
     """Per-seed % gaps as 'mean ± sd % [low, high]' (the 95 % interval, t on n − 1 df), or
-    'gap % (one seed: no interval)'."""
+    'gap % (one seed: no interval)'. over: the seeds they pair ('s1–2', as seeds writes them), named
+    where they are not those of the mean beside the gap (gap_text): '... over s1–2', '(one seed, s2: ...)'."""
     m, sd, lo, hi = mean_interval(gaps)
     if math.isnan(sd):
-        return f"{m:+.2f} % (one seed: no interval)"
-    return f"{m:+.2f} ± {sd:.2f} % [{lo:+.2f}, {hi:+.2f}]"
+        return f"{m:+.2f} % (one seed{', ' * bool(over)}{over}: no interval)"
+    return f"{m:+.2f} ± {sd:.2f} % [{lo:+.2f}, {hi:+.2f}]" + (f" over {over}" if over else '')
 
 
 # which tables a matrix reports (step times only from runs that had the machine to themselves), by
@@ -682,9 +684,20 @@ def ladder_best(cells, args):
 
 
 def paired_gap(by_seed, base):
-    """Per-seed % gaps of the finished cells {seed: cell} to the finished baseline cells of the same seed."""
-    return [100 * (c['final_val_loss'] / base[s]['final_val_loss'] - 1) for s, c in by_seed.items()
-            if c['status'] == 'finished' and base.get(s, {}).get('status') == 'finished']
+    """{seed: % gap}, in seed order: each finished cell of {seed: cell} against the finished baseline
+    cell of the same seed in base {seed: cell}, 100 · (final val loss / the baseline's − 1); a seed
+    either lacks, or where either did not finish, is left out. Paired by seed, never by position."""
+    return {s: 100 * (c['final_val_loss'] / base[s]['final_val_loss'] - 1) for s, c in sorted(by_seed.items())
+            if c['status'] == 'finished' and base.get(s, {}).get('status') == 'finished'}
+
+
+def gap_text(by_seed, base):
+    """The paired gap of by_seed to base (paired_gap) as the tables write it (fmt_gap), naming the
+    seeds it pairs where they are not every finished seed of by_seed (those of the mean loss beside
+    it: a mean over s1–3 beside a gap over s1–2 says so); '' when no seed pairs."""
+    gaps = paired_gap(by_seed, base)
+    done = sorted(s for s, c in by_seed.items() if c['status'] == 'finished')
+    return fmt_gap(list(gaps.values()), '' if list(gaps) == done else seeds(gaps)) if gaps else ''
 
 
 def seeds(xs):
@@ -744,11 +757,10 @@ def ladder_sizes(cells, args):
                 cal = calibration_of(v, by_seed)
                 done = [c['final_val_loss'] for c in by_seed.values() if c['status'] == 'finished']
                 base = best[size, b].get('baseline')
-                gap = paired_gap(by_seed, base[1]) if base and v != 'baseline' else []
+                gap = gap_text(by_seed, base[1]) if base and v != 'baseline' else ''
                 how = rate_how(note, len(rates_tried(cells, v, size, b)))
                 row.append((fmt(mean_sd(done)) if done else 'diverged') +
-                           f" (lr {lr:g}{', ' * bool(how)}{how}, {seeds(by_seed)})" +
-                           (f": {fmt_gap(gap)}" if gap else ''))
+                           f" (lr {lr:g}{', ' * bool(how)}{how}, {seeds(by_seed)})" + (f": {gap}" if gap else ''))
             lines.append(f"| {v}" + (f" ('{cal}')" if cal != '—' else '') + " | " + " | ".join(row) + " |")
         out.append('\n'.join(lines))
     return '\n\n'.join(out)
@@ -772,13 +784,13 @@ def ladder_table(cells, args):
                            if n.startswith(f'{v}-{size}-t{budget}-') and n.endswith('-s1'))
             grid = ', '.join(f"{x:g}: " + (f"{c['final_val_loss']:.4f}" if c['status'] == 'finished'
                                            else f"diverged at {c['diverged_at']}") for x, c in tried)
-            paired = paired_gap(done, base[1]) if base and v != 'baseline' else []
+            paired = gap_text(by_seed, base[1]) if base and v != 'baseline' else ''
             loss = fmt(mean_sd([c['final_val_loss'] for c in done.values()])) if done else '—'
             fit = (f"{statistics.mean(c['final_val_loss'] - c['final_train_loss'] for c in done.values()):.3f}"
                    if done else '—')
             lines.append(f"| {size} | {budget} | {v} | {calibration_of(v, by_seed)} | {grid} | "
                          f"{rate_label(lr, note, len(tried))} | {loss} ({','.join(map(str, sorted(done)))}) | "
-                         f"{fmt_gap(paired) if paired else '—'} | {fit} |")
+                         f"{paired or '—'} | {fit} |")
     return '\n'.join(lines)
 
 
@@ -813,12 +825,12 @@ def ladder_summary(cells, args):
                 continue
             lr, by_seed, note = best[point][v]
             done = [c['final_val_loss'] for c in by_seed.values() if c['status'] == 'finished']
-            gap = paired_gap(by_seed, best[point]['baseline'][1]) if v != 'baseline' else []
+            gap = gap_text(by_seed, best[point]['baseline'][1]) if v != 'baseline' else ''
             band = PAPER_BAND.get(label)
             how = rate_how(note, len(rates_tried(cells, v, *point))) or 'bracketed'
             lines.append(f"| {label} | {calibration_of(v, by_seed)} | {size}, {point[1]} | "
                          f"{lr:g} ({how}) | {seeds(by_seed)} | "
-                         f"{fmt(mean_sd(done)) if done else 'diverged'} | {fmt_gap(gap) if gap else '—'} | "
+                         f"{fmt(mean_sd(done)) if done else 'diverged'} | {gap or '—'} | "
                          f"{f'+{band[0]:g} to +{band[1]:g} %' if band else '—'} |")
     return '\n'.join(lines)
 
@@ -863,11 +875,9 @@ def loss_table(groups, base_name):
             continue
         val = [c['final_val_loss'] for c in done.values()]
         train = [c['final_train_loss'] for c in done.values()]
-        paired = [100 * (c['final_val_loss'] / base[s]['final_val_loss'] - 1) for s, c in done.items()
-                  if s in base and base[s]['status'] == 'finished']
-        seeds = ','.join(str(s) for s in sorted(done)) + (f" ({'; '.join(diverged)})" if diverged else '')
-        lines.append(f"| {g} | {seeds} | {fmt(mean_sd(val))} | "
-                     f"{fmt_gap(paired) if paired and g != base_name else '—'} | "
+        paired = gap_text(by_seed, base) if g != base_name else ''
+        ran = ','.join(str(s) for s in sorted(done)) + (f" ({'; '.join(diverged)})" if diverged else '')
+        lines.append(f"| {g} | {ran} | {fmt(mean_sd(val))} | {paired or '—'} | "
                      f"{fmt(mean_sd(train))} | {fmt(mean_sd([v - t for v, t in zip(val, train)]), 3)} |")
     return '\n'.join(lines)
 

@@ -40,7 +40,8 @@ import torch
 from tqdm import tqdm
 
 from baselines import DYT_SATURATED, FAKELN_EVENTS, fakeln_step, final_dyt_saturated, remove_norms
-from configurator import ConfigError, check_compiler, configure, defaults_of, keys_set, overlay_rank
+from configurator import (ConfigError, changed_keys, check_compiler, config_files, configure, defaults_of, keys_set,
+                          overlay_rank)
 from gpt2 import GPT2_MODELS, PRETRAINED_SHAPE, PretrainedError, from_pretrained, pretrained_args
 from model import GPT, GPTConfig, branch_mismatch
 from runs import (Run, batch_rng, compile_model, end_processes, final_losses, final_record, find_dataset,
@@ -136,7 +137,16 @@ def scale_schedule(cfg):
 
 def validate(cfg):
     """Resolve schedule_scale (scale_schedule), then raise ConfigError for values the schedule or
-    training cannot run with (docs/method.md §2); the model's own keys are GPTConfig's to check."""
+    training cannot run with (docs/method.md §2); the model's own keys are GPTConfig's to check.
+    A step count that schedule_scale changed is quoted with the value it was scaled from."""
+    given = dict(cfg)  # the step counts as the files and overrides set them
+
+    def counts(*keys):  # (the text after their values, the keys the message quotes)
+        if given['schedule_scale'] == 1:
+            return '', keys
+        return (f" (schedule_scale={given['schedule_scale']:g} scaled "
+                + ', '.join(f"{k} {given[k]} → {cfg[k]}" for k in keys) + ")"), (*keys, 'schedule_scale')
+
     scale_schedule(cfg)
     try:
         GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})
@@ -155,8 +165,10 @@ def validate(cfg):
         if cfg[key] < 0:
             raise ConfigError(f"{key}={cfg[key]} must be >= 0")
     if cfg['lr_decay_iters'] <= cfg['warmup_iters']:  # above max_iters is allowed: a run cut short of its decay
-        raise ConfigError(f"lr_decay_iters={cfg['lr_decay_iters']} must exceed warmup_iters={cfg['warmup_iters']}: "
-                          f"the cosine decay runs from warmup_iters to lr_decay_iters (usually max_iters)")
+        text, keys = counts('lr_decay_iters', 'warmup_iters')
+        raise ConfigError(f"lr_decay_iters={cfg['lr_decay_iters']} must exceed warmup_iters={cfg['warmup_iters']}"
+                          f"{text}: the cosine decay runs from warmup_iters to lr_decay_iters (usually max_iters)",
+                          keys)
     if cfg['taper'] != 'none':
         W, T = cfg['gate_warmup_iters'], cfg['taper_iters']
         if W < 1:
@@ -164,13 +176,16 @@ def validate(cfg):
         if T < 1:
             raise ConfigError(f"taper_iters={T} must be >= 1")
         if W + T > cfg['max_iters']:
-            raise ConfigError(f"gate_warmup_iters + taper_iters = {W + T} exceeds max_iters="
-                              f"{cfg['max_iters']}: the gate must reach 0 before training ends")
+            text, keys = counts('gate_warmup_iters', 'taper_iters', 'max_iters')
+            raise ConfigError(f"gate_warmup_iters + taper_iters = {W + T} exceeds max_iters={cfg['max_iters']}{text}: "
+                              f"the gate must reach 0 before training ends (lower them, or raise max_iters)", keys)
     if cfg['norm_removal'] == 'fakeln':
         events = len(FAKELN_EVENTS) * cfg['fakeln_interval']
         if cfg['fakeln_interval'] < 1 or events > cfg['max_iters']:
+            text, keys = counts('fakeln_interval', 'max_iters')
             raise ConfigError(f"fakeln_interval={cfg['fakeln_interval']}: its {len(FAKELN_EVENTS)} events need "
-                              f"1 <= {len(FAKELN_EVENTS)} × fakeln_interval <= max_iters={cfg['max_iters']}")
+                              f"1 <= {len(FAKELN_EVENTS)} × fakeln_interval <= max_iters={cfg['max_iters']}{text}",
+                              keys)
 
 
 def load_config(argv):
@@ -457,7 +472,7 @@ def cpu_hint(argv):
     """For runs.Progress, when a run is long on a CPU: argv's config files with config/cpu.py
     (the variant at CPU size) and config/smoke.py (every phase in 150 steps) where they are
     missing, in the order they apply, as the rest of its line; '' when both are given."""
-    files = [a for a in argv if not a.startswith('-') and os.path.isfile(a)]
+    files = config_files(argv)
     given = {os.path.realpath(f) for f in files}
     cpu, smoke = (os.path.relpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'config', name))
                   for name in ('cpu.py', 'smoke.py'))
@@ -471,6 +486,23 @@ def cpu_hint(argv):
                 f"Austen's novels, prepared by python data/text/prepare.py --name=austen): {command(cpu)}; "
                 f"every phase in 150 steps: {command(cpu, smoke)}")
     return f"; every phase in 150 steps: {command(smoke)}" if os.path.realpath(smoke) not in given else ''
+
+
+HEADER_KEYS = ('taper', 'norm', 'aux_weight', 'device', 'dtype', 'compile', 'out_dir')  # what the header line shows
+
+
+def config_line(argv, cfg):
+    """The line under the run's header: every key whose value differs from train.py's defaults
+    (configurator.changed_keys; the header's own HEADER_KEYS aside), so that a reader sees what
+    the run changed. For overlays given without a base config (python train.py config/cpu.py), it
+    first says which base they changed: train.py's defaults, the TinyStories baseline."""
+    files = config_files(argv)
+    changed = changed_keys(vars(cfg), defaults_of(globals()), HEADER_KEYS)
+    base = ''
+    if cfg.init_from != 'resume' and files and all(overlay_rank(f) > 0 for f in files):
+        base = (f"no base config before {files[0]}: it changes train.py's defaults, the TinyStories baseline's "
+                "(config/tinystories_baseline.py, taper='none'; give a base config first for a TaperNorm variant); ")
+    return f"{base}changed from train.py's defaults: {changed or 'nothing'}"
 
 
 def finished_run(cfg, env, ckpt):
@@ -491,7 +523,8 @@ def main(argv):
     if env.compile:
         check_compiler(env.dev)
     tokens_per_iter = windows_per_step(cfg, env) * cfg.block_size
-    folder, meta = find_dataset(cfg, may_prepare=not env.ddp)
+    folder, meta = find_dataset(cfg, may_prepare=not env.ddp,
+                                cpu_hint=cpu_hint(argv) if env.device_type == 'cpu' else '')
     if cfg.sampler == 'epoch':
         check_one_pass(folder, cfg, env)
     model_args = {**{k: getattr(cfg, k) for k in MODEL_KEYS}, 'vocab_size': meta['vocab_size']}
@@ -514,6 +547,7 @@ def main(argv):
         print(f"{raw_model.num_params() / 1e6:.2f}M parameters | taper={cfg.taper} norm={cfg.norm} "
               f"λ={cfg.aux_weight} | device={env.dev} dtype={env.dtype} tf32={env.tf32} compile={env.compile} "
               f"world={env.world} | {tokens_per_iter:,} tokens/iter | writing {run.ckpt_path} and log.jsonl")
+        print(config_line(argv, cfg))
 
     # ---- the training loop: the four phases (docs/method.md §2) ----
     schedule = (cfg.taper, cfg.gate_warmup_iters, cfg.taper_iters)

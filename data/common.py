@@ -46,11 +46,15 @@ CHUNK_TOKENS = 1 << 23   # tokens per read in the counting and remapping passes 
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
 
 _encoder = None
+# how get_encoder's SystemExit begins, the cause following it; tests/conftest.py skips with it
+NO_BPE = ("could not load the GPT-2 BPE from tiktoken: offline, point TIKTOKEN_CACHE_DIR at a folder holding "
+          "tiktoken's cached gpt2 files, copied from a machine with a network where tiktoken cached them")
 
 
 def get_encoder():
     """The tiktoken "gpt2" Encoding, loaded once per process (offline: from TIKTOKEN_CACHE_DIR).
-    SystemExit if tiktoken cannot load the encoding (offline without a cache).
+    SystemExit in one line, NO_BPE and the cause, if tiktoken cannot load the encoding (offline
+    without a cache).
     """
     global _encoder
     if _encoder is None:
@@ -58,11 +62,8 @@ def get_encoder():
         try:
             _encoder = tiktoken.get_encoding("gpt2")
         except Exception as e:  # tiktoken raises requests/OS errors when it has to download
-            raise SystemExit(
-                f"could not load the GPT-2 BPE from tiktoken ({type(e).__name__}: {e}).\n"
-                "Offline, point TIKTOKEN_CACHE_DIR at a folder holding tiktoken's cached gpt2 "
-                "files (copied from a machine with a network, where tiktoken cached them), e.g.\n"
-                "  export TIKTOKEN_CACHE_DIR=$HOME/tiktoken_cache")
+            cause = (str(e).splitlines() or [""])[0]  # a connection error's text runs to 100 lines
+            raise SystemExit(f"{NO_BPE} ({type(e).__name__}: {cause[:120]})") from None
     return _encoder
 
 

@@ -226,7 +226,36 @@ def test_text_default_out_dir_is_data_name(tmp_path, monkeypatch):
                                                                  "meta.json"}
 
 
-def test_text_script_runs_from_another_cwd(tmp_path):
+def offline_env(cache):
+    """os.environ as on a machine without a network or tiktoken's files: an empty TIKTOKEN_CACHE_DIR and
+    a proxy that refuses every connection."""
+    env = {k: v for k, v in os.environ.items() if k.lower() not in ("no_proxy", "all_proxy")}
+    return dict(env, TIKTOKEN_CACHE_DIR=str(cache), HTTPS_PROXY="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9",
+                HTTP_PROXY="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9")
+
+
+def test_offline_without_tiktokens_files_a_script_says_so_in_one_line_and_the_tests_needing_them_skip(tmp_path):
+    """A script stops with common.NO_BPE and the cause in one line; the test suite skips the tests that need
+    the BPE (one through a fixture, one inside pytest.raises(SystemExit)) under that line, once, and runs
+    the rest."""
+    (tmp_path / "c.txt").write_text(make_corpus())
+    r = subprocess.run([sys.executable, str(REPO / "data" / "text" / "prepare.py"), "--name=x", "--input=c.txt",
+                        "--out_dir=o"], cwd=tmp_path, env=offline_env(tmp_path / "cache"), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith(common.NO_BPE + " (") and len(r.stderr.splitlines()) == 1, r.stderr
+    tests = ["test_split_exact_pieces_encode_like_the_whole_text",
+             "test_text_bad_inputs_give_clear_errors[args4-too short]",
+             "test_build_vocab_orders_by_count_then_id_and_always_keeps_eot"]  # the last needs no BPE
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        *[f"tests/test_data.py::{t}" for t in tests]], cwd=REPO, env=offline_env(tmp_path / "cache"),
+                       capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "1 passed, 2 skipped" in out.splitlines()[-1], out
+    assert [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("SKIPPED")] == [common.NO_BPE]
+    assert out.count("SKIPPED [2] ") == 1 and "Traceback" not in out and "Error" not in out, out
+
+
+def test_text_script_runs_from_another_cwd(tmp_path, enc):  # enc: a subprocess needs the BPE too: skip without
     f = tmp_path / "c.txt"
     f.write_text(make_corpus())
     env = dict(os.environ)  # offline: TIKTOKEN_CACHE_DIR, as the test run has it
@@ -585,7 +614,7 @@ def test_text_unknown_name_without_input_names_the_downloadable_ones(tmp_path, m
 # ------------------------------------------------------------------------------------------------
 # paths: the scripts write into the repository's data/ folder from any working directory
 
-def test_text_default_out_dir_is_the_repos_data_folder_from_another_cwd(tmp_path):
+def test_text_default_out_dir_is_the_repos_data_folder_from_another_cwd(tmp_path, enc):  # enc: skip without
     name = f"_test_cwd_{uuid.uuid4().hex[:12]}"
     out = REPO / "data" / name
     (tmp_path / "c.txt").write_text(make_corpus())

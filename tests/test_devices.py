@@ -10,6 +10,7 @@ import torch
 from torch._utils import _get_device_index
 
 import bench
+import configurator
 import fold
 import sample
 import study
@@ -75,6 +76,35 @@ def test_every_script_sets_up_cuda_with_an_indexed_device(device, stand_in_cuda,
     # the study records where each cell ran, resolving the cell's device as train.py does
     record = study.provenance({'wall_s': 1.0}, 1, ['--dataset=toy', f'--device={device}', '--dtype=float32'])
     assert (record['device'], record['dtype'], record['tf32']) == ('cuda:0: Stand-in GPU', 'float32', False)
+
+
+@pytest.mark.parametrize('device', ['cuda:0', 'cuda', 'auto'])
+def test_under_ddp_every_rank_takes_the_device_of_its_local_rank(device, stand_in_cuda, monkeypatch):
+    """torchrun on a machine with two GPUs: rank 1 is on cuda:1 whatever --device names, an explicit
+    cuda:0 included (else every rank would share GPU 0)."""
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
+    assert configurator.resolve_device(device, 'auto', local_rank=1) == ('cuda:1', 'bfloat16')
+    assert configurator.resolve_device(device, 'auto', local_rank=0) == ('cuda:0', 'bfloat16')
+    assert configurator.resolve_device('cuda:1') == ('cuda:1', 'bfloat16')  # without DDP, the index given
+
+
+def test_a_cuda_index_the_machine_lacks_is_refused_in_one_line_naming_the_devices(stand_in_cuda, monkeypatch):
+    """One GPU (the stand-ins' device_count() = 1): cuda:3, or torchrun's LOCAL_RANK=1, is refused before
+    torch.cuda.set_device would raise its 'invalid device ordinal' traceback."""
+    cfg = SimpleNamespace(device='cuda:3', dtype='auto', backend='auto', compile='auto')
+    with pytest.raises(SystemExit, match=r"^config error: device='cuda:3': this machine has 1 CUDA device, cuda:0; "
+                                         r"use one of those$"):
+        setup(cfg)
+    for name, value in (('RANK', '1'), ('LOCAL_RANK', '1'), ('WORLD_SIZE', '2')):  # torchrun's second process
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit, match=r"^config error: LOCAL_RANK=1 \(torchrun\) but this machine has 1 CUDA "
+                                         r"device, cuda:0: start at most 1 process per machine "
+                                         r"\(torchrun --nproc_per_node=1\)$"):
+        setup(SimpleNamespace(**{**vars(cfg), 'device': 'cuda'}))
+    assert stand_in_cuda == []  # nothing reached torch.cuda.set_device
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 3)
+    with pytest.raises(SystemExit, match=r"this machine has 3 CUDA devices, cuda:0 to cuda:2; use one of those"):
+        configurator.resolve_device('cuda:3')
 
 
 @pytest.mark.parametrize('dtype, tf32', [('float32', False), ('bfloat16', True)])

@@ -297,26 +297,27 @@ def test_ctrl_c_during_an_evaluation_is_answered_and_cuts_it_short(toy_data, tmp
     assert load_checkpoint(str(out / 'ckpt.pt'))['iter_num'] == 0
 
 
-def test_a_second_ctrl_c_stops_at_once_without_saving_in_one_line(toy_data, tmp_path, started):
-    """Ctrl-C in a long training step: the step would finish and be saved; a second Ctrl-C ends the
-    process at once, with one more line and no traceback, and the folder keeps the checkpoint
-    written before that step."""
+@pytest.mark.parametrize('how, code', [('SIGINT', 130), ('SIGTERM', 143)])  # docs/runs.md; batch schedulers read it
+def test_a_second_signal_stops_at_once_without_saving_in_one_line(toy_data, tmp_path, started, how, code):
+    """Ctrl-C (or SIGTERM) in a long training step: the step would finish and be saved; a second one
+    ends the process at once, exit 130 (143 for SIGTERM), with one more line and no traceback, and the
+    folder keeps the checkpoint written before that step."""
     out = tmp_path / 'run'
     proc = started(toy_args(toy_data, out, eval_iters=1, gradient_accumulation_steps=5000))
     wait_for_line(read_lines(proc.stdout), 'estimate:', proc)  # printed in the first evaluation's only batch
     time.sleep(1)  # the evaluation is over: step 0, 5000 micro-batches, runs
     errors = read_lines(proc.stderr)
-    proc.send_signal(signal.SIGINT)
-    wait_for_line(errors, 'SIGINT: finishing iteration 0, then saving and stopping', proc)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 130
+    proc.send_signal(getattr(signal, how))
+    wait_for_line(errors, f'{how}: finishing iteration 0, then saving and stopping', proc)
+    proc.send_signal(getattr(signal, how))
+    assert proc.wait(timeout=60) == code
     rest = []
     while True:
         try:
             rest.append(errors.get(timeout=2))
         except queue.Empty:
             break
-    assert rest == ['second SIGINT: stopped at once, without saving; the run folder keeps its last checkpoint\n']
+    assert rest == [f'second {how}: stopped at once, without saving; the run folder keeps its last checkpoint\n']
     assert load_checkpoint(str(out / 'ckpt.pt'))['iter_num'] == 0
     assert not (out / 'log.jsonl').exists() or not read_log(out)
 
@@ -335,7 +336,8 @@ def test_the_estimate_counts_the_steps_and_forward_batches_left(tmp_path, capsys
     p.evaluation_batch(0, 2.0)  # a step taken as 3 × 2 batches: 12 s; batches left 4 × 2 − 1 + 16 + 88 = 111
     assert capsys.readouterr().out.splitlines() == [  # 16 × 12 + 111 × 2 = 414 s
         'estimate: 7 min left: 16 steps at 12 s and 111 forward batches (evaluations, calibration, final losses) '
-        'at 2 s, from the first evaluation batch',
+        'at 2 s, from the first evaluation batch alone (a first-batch figure, often high; a second estimate follows '
+        'after 3 steps)',
         'this run takes about 7 min on this CPU; HINT']
     p.evaluation_batch(4, 9.0)  # only the first batch timed counts
     for it, seconds in enumerate((100.0, 4.0, 6.0)):  # the first step is left out: (4 + 6) / 2 = 5 s
@@ -343,6 +345,29 @@ def test_the_estimate_counts_the_steps_and_forward_batches_left(tmp_path, capsys
     assert capsys.readouterr().out.splitlines() == [  # 13 × 5 + (3 × 2 + 16 + 88) × 2 = 285 s, below 400: no warning
         'estimate: 5 min left: 13 steps at 5 s and 110 forward batches (evaluations, calibration, final losses) '
         'at 2 s, from iterations 1–2']
+
+
+@pytest.mark.parametrize('calibration', [None, 'end'])  # None: the default ('ema'), which toy_args overrides
+def test_the_forward_batches_counted_ahead_are_those_the_run_makes(toy_data, tmp_path, monkeypatch, calibration):
+    """Progress counts, before iteration 0, every forward pass of one batch the run will make without
+    gradients (evaluations, the calibrate event, the final losses); counted here as the run makes them.
+    Under the default calibration the calibrate event's branch-mismatch batches count too."""
+    from model import GPT
+    args = [a for a in toy_args(toy_data, tmp_path / 'run') if not a.startswith('--calibration=')]
+    args += [f'--calibration={calibration}'] if calibration else []
+    cfg = train.load_config(args)
+    ahead = runs.Progress(cfg, SimpleNamespace(world=1, master=True, device_type='cpu'),
+                          str(toy_data / 'toy')).forward_batches_left(0)
+    made, forward = [], GPT.forward
+
+    def counted(self, *a, **kw):
+        if not torch.is_grad_enabled():  # a training forward needs gradients; these do not
+            made.append(1)
+        return forward(self, *a, **kw)
+
+    monkeypatch.setattr(GPT, 'forward', counted)
+    train.main(args)
+    assert len(made) == ahead and cfg.calibration == (calibration or 'ema')
 
 
 def test_a_long_run_on_a_cpu_says_so_in_its_first_evaluation_with_the_cpu_sized_command(toy_data, tmp_path, capsys,
@@ -447,6 +472,37 @@ def test_one_checkpoint_loader_with_one_line_errors(tmp_path, content, message):
         train.main([f'--out_dir={tmp_path}', '--init_from=resume'])
 
 
+def test_a_checkpoint_from_a_newer_version_names_the_keys_this_code_does_not_know(toy_data, tmp_path):
+    """A model_args key GPTConfig lacks (a newer version's or a fork's qk_norm), or a config key
+    train.py lacks: one line from every script that loads it, naming the key, never a TypeError
+    and never a guess at what it meant."""
+    import bench
+    import fold
+    import sample
+    out = tmp_path / 'run'
+    train.main(toy_args(toy_data, out, max_iters=12))
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+    newer = tmp_path / 'newer.pt'
+    torch.save({**ckpt, 'model_args': {**ckpt['model_args'], 'qk_norm': True}}, newer)
+    line = (r"has a key this code does not know \(qk_norm\): it was written by a newer or different version of "
+            r"tapernorm; load it with that version$")
+    for run in (lambda: load_model(str(newer)),
+                lambda: sample.main([f'--ckpt={newer}', '--device=cpu']),
+                lambda: fold.main([f'--ckpt={newer}', f'--out={tmp_path / "folded.pt"}', '--device=cpu']),
+                lambda: bench.main([f'--ckpt={newer}', '--device=cpu', '--compile=eager'])):
+        with pytest.raises(SystemExit, match=f'^{newer}: its model_args ' + line):
+            run()
+    with pytest.raises(SystemExit, match='^the checkpoint: its model_args ' + line):
+        runs.model_from_state_dict(ckpt['model'], {**ckpt['model_args'], 'qk_norm': True})
+    torch.save({**ckpt, 'model_args': {**ckpt['model_args'], 'qk_norm': True, 'rope': True}}, out / 'ckpt.pt')
+    with pytest.raises(SystemExit, match=r"its model_args have keys this code does not know \(qk_norm, rope\)"):
+        train.main([f'--out_dir={out}', '--init_from=resume'])
+    torch.save({**ckpt, 'config': {**ckpt['config'], 'ema_decay': 0.99}}, out / 'ckpt.pt')  # a training key
+    with pytest.raises(SystemExit, match=f"^{out / 'ckpt.pt'}: its config has a key this code does not know "
+                                         r"\(ema_decay\): it was written by a newer"):
+        train.main([f'--out_dir={out}', '--init_from=resume'])
+
+
 @pytest.mark.parametrize('device, message', [
     ('mps', 'no MPS'), ('cuda', 'no CUDA device'), ('tpu', "use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"),
     ('cuda:x', "use 'auto'"),
@@ -503,6 +559,27 @@ def test_the_smoke_overlay_crosses_every_phase_and_no_example_keeps_a_longer_sch
                 assert cfg.max_iters == 150 and cfg.schedule_scale == 1.0  # resolved: the real step counts
             if cfg.taper != 'none':
                 assert cfg.gate_warmup_iters + cfg.taper_iters < cfg.max_iters  # a linear phase too
+
+
+def test_a_refused_schedule_says_which_argument_set_each_value_it_quotes_and_what_was_scaled():
+    """config/cpu.py sets W = 150 and T = 750; after --max_iters=300, config/smoke.py's schedule_scale is
+    150 / 300 = 0.5, so W = 75, T = 375, 450 steps in a run of 150: values nobody typed, so the line says
+    where each came from and what schedule_scale made of it."""
+    def refused(args):
+        with pytest.raises(SystemExit) as e:
+            train.load_config(args)
+        assert '\n' not in str(e.value)
+        return str(e.value)
+
+    msg = refused(['config/tinystories_all_taper.py', 'config/cpu.py', '--max_iters=300', 'config/smoke.py'])
+    assert msg.startswith('config error: gate_warmup_iters + taper_iters = 450 exceeds max_iters=150 '
+                          '(schedule_scale=0.5 scaled gate_warmup_iters 150 → 75, taper_iters 750 → 375, '
+                          'max_iters 300 → 150): ')
+    assert msg.endswith('; set by config/cpu.py (gate_warmup_iters, taper_iters), --max_iters=300 (max_iters), '
+                        'config/smoke.py (schedule_scale)')
+    msg = refused(['config/tinystories_all_taper.py', 'config/cpu.py', '--max_iters=800'])  # 150 + 750 > 800, unscaled
+    assert 'schedule_scale' not in msg and msg.endswith(
+        '; set by config/cpu.py (gate_warmup_iters, taper_iters), --max_iters=800 (max_iters)')
 
 
 def test_schedule_scale_scales_every_step_count_once_and_a_resume_keeps_them(toy_data, tmp_path):

@@ -359,6 +359,9 @@ def test_t_quantile_matches_the_t_table():
     assert study.t_quantile(0.975, 1) == pytest.approx(math.tan(math.pi * 0.475), rel=1e-9)
     assert study.t_quantile(0.975, 2) == pytest.approx(math.sqrt(2 * 0.95 ** 2 / (1 - 0.95 ** 2)), rel=1e-9)
     assert study.t_quantile(0.95, 2) == pytest.approx(2.920, abs=6e-4)  # one-sided 95 %, 2 df
+    # a whole number given as a float, as the docstring allows: the same quantiles
+    assert study.t_quantile(0.975, 3.0) == pytest.approx(table[3], abs=6e-4)
+    assert study.t_quantile(0.975, 2.0) == pytest.approx(math.sqrt(2 * 0.95 ** 2 / (1 - 0.95 ** 2)), rel=1e-9)
     for p, df in ((0.4, 2), (1.0, 2), (0.975, 0), (0.975, 2.5)):
         with pytest.raises(ValueError, match='needs 0.5 < p < 1 and a whole df'):
             study.t_quantile(p, df)
@@ -371,6 +374,38 @@ def test_the_interval_of_a_mean_is_t_based_on_n_minus_1_df():
     assert math.isnan(study.mean_interval([0.5])[2])  # one value: no interval
     assert study.fmt_gap([1.0, 2.0, 3.0]) == '+2.00 ± 1.00 % [-0.48, +4.48]'
     assert study.fmt_gap([-0.52]) == '-0.52 % (one seed: no interval)'
+
+
+def test_paired_gaps_pair_cells_by_seed_whatever_their_order_and_with_a_seed_missing():
+    """A variant's seeds stored 3 before 1, its seed 2 missing; the baseline's stored 2, 1, 3. Worked by
+    hand: 4.04 / 4.0 − 1 = +1 %, 4.326 / 4.2 − 1 = +3 % (by position, 4.326 would meet 4.1)."""
+    cell = lambda loss, status='finished': {'status': status, 'final_val_loss': loss}
+    base = {2: cell(4.1), 1: cell(4.0), 3: cell(4.2)}
+    assert study.paired_gap({3: cell(4.326), 1: cell(4.04)}, base) == pytest.approx({1: 1.0, 3: 3.0})
+    # a seed the baseline lacks or did not finish pairs with nothing
+    assert study.paired_gap({1: cell(4.04), 4: cell(4.0), 2: cell(4.3)}, {1: cell(4.0), 2: cell(9, 'diverged')}) \
+        == pytest.approx({1: 1.0})
+
+
+def test_a_gap_over_fewer_seeds_than_the_mean_beside_it_names_its_seeds():
+    """Internal-Taper's mean over seeds 1-3 beside a gap that pairs only seeds 1-2 (the baseline's third seed
+    is missing): the gap says over which. Gaps +1, +2 %: mean 1.5, sd 0.71, t = tan(0.475 π) = 12.706 (1 df),
+    1.5 ± 12.706 · 0.7071 / √2 = [−4.85, +7.85]; All-Taper pairs seed 2 alone: 4.141 / 4.1 − 1 = +1 %."""
+    cell = lambda loss: {'status': 'finished', 'final_val_loss': loss, 'final_train_loss': loss - 0.2}
+    cells = {'baseline-s1': cell(4.0), 'baseline-s2': cell(4.1), 'internal-s1': cell(4.04), 'internal-s2': cell(4.182),
+             'internal-s3': cell(4.3), 'all-s2': cell(4.141), 'all-s3': cell(4.2),
+             'baseline_ema-s1': cell(4.0), 'internal_ema-s1': cell(4.04)}
+    rows = {r.split(' | ')[0][2:]: r.split(' | ') for r in study.tables(cells, ('losses',)).splitlines()[2:]}
+    assert rows['internal'][1:4] == ['1,2,3', '4.1740 ± 0.1302', '+1.50 ± 0.71 % [-4.85, +7.85] over s1–2']
+    assert rows['all'][3] == '+1.00 % (one seed, s2: no interval)'
+    assert rows['internal_ema'][3] == '+1.00 % (one seed: no interval)'  # its one seed is the mean's: no label
+    # part 3's tables the same way: the 3M model's mean over three seeds, its gap over the two the baseline ran
+    ladder = {f'{n}-3M-t3M-lr0.004-s{s}': cells[f'{n}-s{s}'] for n in ('baseline', 'internal') for s in (1, 2, 3)
+              if f'{n}-s{s}' in cells}
+    text = study.ladder_sizes(ladder, {n: [] for n in ladder})
+    assert "(lr 0.004, only rate run, s1–3): +1.50 ± 0.71 % [-4.85, +7.85] over s1–2 |" in text
+    row = study.ladder_table(ladder, {n: [] for n in ladder}).splitlines()[3]
+    assert '| 4.1740 ± 0.1302 (1,2,3) | +1.50 ± 0.71 % [-4.85, +7.85] over s1–2 |' in row
 
 
 def test_ladder_table_pairs_each_variant_at_its_best_rate_with_the_baselines():

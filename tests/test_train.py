@@ -170,6 +170,27 @@ def test_string_keys_keep_their_text():
         load_config(["--compile=1"])  # a choice: no fallback to the text
 
 
+def test_the_header_shows_every_key_changed_and_an_overlay_alone_says_which_base_it_changed(toy_data, tmp_path,
+                                                                                             capsys):
+    """The header line shows taper, norm, λ, where and how the run computes; the line under it every other
+    key that differs from train.py's defaults (the calibration and the schedule included). An overlay
+    given alone runs over those defaults, the baseline: it says so."""
+    train.main(toy_args(toy_data, tmp_path / 'run', seed=1337))
+    out = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(out) if ' parameters | taper=all norm=rmsnorm λ=0.1 | ' in line)
+    changed = out[header + 1].split("changed from train.py's defaults: ")[1].split()
+    assert {"dataset='toy'", "calibration='end'", 'gate_warmup_iters=4', 'taper_iters=6', 'n_layer=2',
+            'dropout=0.1'} <= set(changed)
+    assert not any(k.startswith(('taper=', 'seed=', 'device=')) for k in changed)  # in the header, or unchanged
+    line = train.config_line(['config/cpu.py'], load_config(['config/cpu.py']))
+    assert line.startswith("no base config before config/cpu.py: it changes train.py's defaults, the TinyStories "
+                           "baseline's (config/tinystories_baseline.py, taper='none'; ")
+    assert "changed from train.py's defaults: dataset='austen' " in line and ' max_iters=1500 ' in line
+    args = ['config/tinystories_internal_taper.py', 'config/cpu.py']
+    assert train.config_line(args, load_config(args)).startswith("changed from train.py's defaults: dataset='austen' ")
+    assert train.config_line([], load_config([])) == "changed from train.py's defaults: nothing"
+
+
 def test_unknown_key_in_a_config_file(tmp_path):
     path = tmp_path / 'bad.py'
     path.write_text('import math\nlearning_rate = math.sqrt(1e-6)\nlearnig_rate = 3e-4\n')
@@ -382,8 +403,12 @@ def test_main_command_prepares_tinystories_when_missing(tmp_path, monkeypatch):
         raise OSError('network is unreachable')
 
     monkeypatch.setitem(sys.modules, 'huggingface_hub', types.SimpleNamespace(hf_hub_download=offline))
-    with pytest.raises(SystemExit, match='--input=/path/to/TinyStoriesV2-GPT4-train.txt'):
+    with pytest.raises(SystemExit, match='--input=/path/to/TinyStoriesV2-GPT4-train.txt') as e:
         train.main(args[:1] + [f'--data_dir={tmp_path}/empty'] + args[2:])
+    # on a CPU (--device=cpu) the failed download also says what the run would take there, as the run
+    # itself says once the data is on disk: the variant at CPU size, config/cpu.py
+    assert str(e.value).splitlines()[-1] == 'this run is on a CPU' + train.cpu_hint(args)
+    assert ': python train.py config/tinystories_internal_taper.py config/cpu.py;' in str(e.value)
 
 
 # ---- the numbers train.py reports, against plain torch ---------------------------------
