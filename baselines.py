@@ -1,15 +1,17 @@
 """
 Norm-removal baselines beside TaperNorm: FakeLN's norms (norm_removal='fakeln', docs/method.md §7)
-and DyT (norm='dyt'). model.GPT builds their norms from its config; this file stands on norms.py
-alone, below model.py (the floors: norms.py < baselines.py < model.py).
+and the norm-free DyT (norm='dyt') and Derf (norm='derf'). model.GPT builds their norms from its
+config; this file stands on norms.py alone, below model.py (the floors: norms.py < baselines.py <
+model.py).
 
 FakeLN removes the norms of a trained model one kind at a time, each replaced by fixed scalars;
 a removed norm is linear and folds like a linear-phase TaperNorm (fold.py).
 
 DyT (Zhu, Chen, He, LeCun & Liu, "Transformers without Normalization", CVPR 2025,
-arXiv 2503.10622) replaces every norm, the final one too, by an elementwise squashing map with no
-per-token statistics. Unlike a linear-phase TaperNorm it is not linear, so it never folds into the
-next layer (fold.py and bench.py refuse a DyT checkpoint).
+arXiv 2503.10622) and Derf (Chen, Lu, Zhu, Sun & Liu, "Stronger Normalization-Free Transformers",
+arXiv 2512.10938, by DyT's group) replace every norm, the final one too, by an elementwise
+squashing map with no per-token statistics (NORM_FREE). Unlike a linear-phase TaperNorm neither is
+linear, so neither folds into the next layer (fold.py and bench.py refuse such a checkpoint).
 """
 
 import torch
@@ -46,6 +48,9 @@ class DyT(nn.Module):
     last two. h: (..., d) -> (..., d).
     """
 
+    MAP = 'tanh(α·h)'  # in fold.py's and bench.py's refusals
+    SATURATES = "|α·h| past float32's tanh' range, about 9"  # tanh' = 1 − tanh² is exactly 0 once tanh rounds to ±1
+
     def __init__(self, d, alpha0):
         super().__init__()
         self.alpha = nn.Parameter(torch.full((), float(alpha0)))  # α
@@ -56,28 +61,89 @@ class DyT(nn.Module):
         return torch.tanh(self.alpha * h) * self.weight + self.bias
 
 
-# train.py's one line, the first time final_dyt_saturated is true
-DYT_SATURATED = ("warning: iteration {it}: the final DyT saturated (|α·h| past float32's tanh' range at every entry "
-                 "of ln_f): no gradient reaches the blocks or the embeddings until it desaturates. On the quick "
-                 "start DyT with its paper's recipe never recovered, nor trained at a 4x lower rate "
-                 "(docs/results.md, \"DyT on the quick start\"); compare against norm='rmsnorm'")
+# s₀: Derf's shift at init, 0 in every model family of the authors' code (see Derf)
+DERF_SHIFT0 = 0.0
+
+
+class Derf(nn.Module):
+    """Derf(h) = γ ⊙ erf(α · h + s) + β   (arXiv 2512.10938, "Dynamic erf"; eq. 10 in a summary's
+    numbering, erf(αx + s) in the paper's own figure and abstract). erf is the standard error
+    function, 2/√π ∫₀ᶻ exp(−t²) dt (torch.erf), the rescaled Gaussian CDF the paper names.
+
+    Where each constant comes from:
+    - α and s (`shift`): one learnable scalar each per module, s initialized to 0 (DERF_SHIFT0),
+      as in the authors' code (github.com/zlab-princeton/Derf: every model family's Dynamic_erf
+      has an α and a shift of one element, shift_init_value=0.0). Scalars, not per-channel vectors.
+    - α₀: the Derf paper's values for its GPT-2 runs were not found in the text this repository
+      could read. The authors' GPT-2 code takes three α₀, before attention, before the MLP and at
+      the final norm, from the command line (placeholder defaults 1.0; 0.5 in its other models), the
+      split of DyT's LLM recipe. This repository's choice: DyT's LLM α₀ by position (DYT_ALPHA0,
+      times GPTConfig.dyt_alpha0_scale), so that DyT and Derf models here differ in the map and
+      the shift only. At the same α, erf'(0) = 2/√π ≈ 1.13: Derf is 13 % steeper at 0 than DyT.
+    - γ (`weight`), β (`bias`): learnable per-channel vectors, ones and zeros (β always there, as in
+      the authors' code, whatever config.bias says).
+    - the embedding scalar: the authors' GPT-2 code multiplies the embeddings by one learnable
+      scalar, √d at init, for Derf as for DyT (its `shared_scale`): here it is DyT's, GPT.embed_scale
+      (dyt_embed_scale; GPTConfig.dyt_embed_scale=False leaves it out).
+
+    What this repository does differently: α₀ (DyT's, above, not a value the Derf paper tuned for
+    GPT-2); α and s are 0-dim tensors (the authors' have shape (1,): the same values and updates).
+    α, s, γ, β and the embedding scalar are not weight-decayed (as DyT's).
+
+    Saturation, as DyT's: erf rounds to ±1 in float32 from |α·h + s| ≈ 3.9, but its gradient
+    2/√π · exp(−(α·h + s)²) is computed from the input and becomes exactly 0 only past ≈ 10.2, where
+    exp underflows; past it at every entry of ln_f no gradient reaches the residual stream
+    (final_dyt_saturated covers Derf). Same (h, gate, pos) as the other norms, the last two
+    ignored. h: (..., d) -> (..., d).
+    """
+
+    MAP = 'erf(α·h + s)'
+    SATURATES = "|α·h + s| past float32's erf' range, about 10.2"  # exp(−z²) underflows to exactly 0
+
+    def __init__(self, d, alpha0, shift0=DERF_SHIFT0):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.full((), float(alpha0)))  # α
+        self.shift = nn.Parameter(torch.full((), float(shift0)))  # s
+        self.weight = nn.Parameter(torch.ones(d))                 # γ
+        self.bias = nn.Parameter(torch.zeros(d))                  # β
+
+    def forward(self, h, gate=None, pos=None):
+        return torch.erf(self.alpha * h + self.shift) * self.weight + self.bias
+
+
+# GPTConfig.norm of the norm-free baselines -> the class of every norm in such a model (model.GPT)
+NORM_FREE = {'dyt': DyT, 'derf': Derf}
+
+# train.py's one line, the first time final_dyt_saturated is true (saturation_warning fills it in)
+SATURATED = ("warning: iteration {it}: the final {name} saturated ({how} at every entry of ln_f): no "
+             "gradient reaches the blocks or the embeddings until it desaturates. On the quick start DyT "
+             "with its paper's recipe never recovered, nor trained at a 4x lower rate (docs/results.md, "
+             "\"DyT on the quick start\"); compare against norm='rmsnorm'")
+
+
+def saturation_warning(model, it):
+    """SATURATED for this model's final norm (a DyT or a Derf) at iteration it."""
+    ln_f = model.transformer.ln_f
+    return SATURATED.format(it=it, name=type(ln_f).__name__, how=ln_f.SATURATES)
 
 
 def dyt_embed_scale(config):
     """GPT.embed_scale of a model with this GPTConfig: the DyT paper's learnable scalar on the
-    embeddings, √n_embd at init (0-dim nn.Parameter; see DyT), or None (not a DyT model, or
-    config.dyt_embed_scale=False)."""
-    return nn.Parameter(torch.full((), config.n_embd ** 0.5)) if config.norm == 'dyt' and config.dyt_embed_scale else None
+    embeddings, √n_embd at init (0-dim nn.Parameter; see DyT), which the Derf authors' GPT-2 code
+    uses too (see Derf), or None (not a norm-free model, or config.dyt_embed_scale=False)."""
+    wanted = config.norm in NORM_FREE and config.dyt_embed_scale
+    return nn.Parameter(torch.full((), config.n_embd ** 0.5)) if wanted else None
 
 
 def final_dyt_saturated(model):
     """A 0-dim bool tensor, read after backward and before the optimizer step, without a host sync:
-    True when the final DyT's α got an exactly-zero gradient. ∂L/∂α = Σ tanh'(α·h) h ⊙ γ ⊙ ∂L/∂y is
-    exactly 0 when every entry of every token has |α·h| past float32's tanh' range (about 9): then
-    no gradient reaches the residual stream, so none reaches the blocks or the embeddings
-    (docs/results.md, "DyT on the quick start"). A false tensor for a model without a final DyT."""
+    True when the final DyT's (or Derf's) α got an exactly-zero gradient. With z = α·h (DyT) or
+    α·h + s (Derf), ∂L/∂α = Σ f'(z) h ⊙ γ ⊙ ∂L/∂y is exactly 0 when every entry of every token has
+    |z| past float32's range of f' (the class's SATURATES: about 9 for tanh, 10.2 for erf): then no
+    gradient reaches the residual stream, so none reaches the blocks or the embeddings
+    (docs/results.md, "DyT on the quick start"). A false tensor for a model without such a final norm."""
     ln_f = model.transformer.ln_f
-    if not isinstance(ln_f, DyT) or ln_f.alpha.grad is None:
+    if not isinstance(ln_f, tuple(NORM_FREE.values())) or ln_f.alpha.grad is None:
         return torch.zeros((), dtype=torch.bool, device=model.gate.device)
     return ln_f.alpha.grad == 0
 

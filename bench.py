@@ -39,6 +39,7 @@ from functools import partial
 
 import torch
 
+from baselines import NORM_FREE
 from configurator import ConfigError, configure, resolve_device, set_tf32, uses_tf32
 from fold import CheckError, fold_model, max_logit_error, tensor_bytes
 from model import GPT, LADDER, GPTConfig, TaperScale, decode_n_tokens, decode_one_token, prefill, unfused
@@ -137,9 +138,10 @@ def checkpoint_variants(cfg):
     'ckpt:FILE unfused', and gated against 'ckpt:FILE as trained' (its TaperNorm layers at g = 0)."""
     model, _ = load_model(cfg.ckpt, 'cpu')
     c, name, raw = model.config, f'ckpt:{os.path.basename(cfg.ckpt)}', {}
-    if c.norm == 'dyt':
-        raise SystemExit(f"{cfg.ckpt} is a DyT model (norm='dyt'): bench.py times TaperNorm's folded and "
-                         "unfused forms against a fused norm, and tanh(α·h) does not fold into a linear layer")
+    if c.norm in NORM_FREE:
+        kind = NORM_FREE[c.norm]
+        raise SystemExit(f"{cfg.ckpt} is a {kind.__name__} model (norm={c.norm!r}): bench.py times TaperNorm's "
+                         f"folded and unfused forms against a fused norm, and {kind.MAP} does not fold into a linear layer")
     about = f"{cfg.ckpt}: taper={c.taper} norm={c.norm} folded={c.folded} phase={model.phase} g={model.gate.item():.4g}"
     if cfg.prompt_len + cfg.new_tokens > c.block_size:
         raise SystemExit(f"the checkpoint's context is {c.block_size} tokens: lower --prompt_len and --new_tokens "

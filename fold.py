@@ -33,7 +33,7 @@ import sys
 import numpy as np
 import torch
 
-from baselines import FAKELN_EVENTS
+from baselines import FAKELN_EVENTS, NORM_FREE
 from configurator import ConfigError, configure, resolve_device, set_tf32
 from model import GPTConfig
 from runs import load_model, model_from_state_dict, save_checkpoint
@@ -113,9 +113,10 @@ def fold_state_dict(state_dict, model_args):
     """
     if model_args.get('folded'):
         raise FoldError("this checkpoint is already folded: pass the checkpoint train.py wrote")
-    if model_args.get('norm') == 'dyt':
-        raise FoldError("nothing folds in a DyT model: tanh(α·h) is not a linear map, so no weight "
-                        "matrix can absorb it; only TaperNorm (taper='internal' | 'all') and FakeLN fold")
+    if model_args.get('norm') in NORM_FREE:
+        kind = NORM_FREE[model_args['norm']]
+        raise FoldError(f"nothing folds in a {kind.__name__} model: {kind.MAP} is not a linear map, so no "
+                        "weight matrix can absorb it; only TaperNorm (taper='internal' | 'all') and FakeLN fold")
     if is_fakeln(model_args):
         check_fakeln(state_dict, model_args)
     elif model_args['taper'] == 'none':

@@ -21,8 +21,8 @@ Everything the method adds lives here, each in one place:
 - `GPTConfig.folded`            a model whose tapered norms fold.py merged away (docs/method.md §5;
                                 the arithmetic is fold.py's `fold_state_dict`)
 
-The norm-removal baselines (FakeLN's `FakeNorm` and removal events, DyT) are baselines.py's; a
-GPT builds their norms from its config (docs/method.md §7).
+The norm-removal baselines (FakeLN's `FakeNorm` and removal events, the norm-free DyT and Derf)
+are baselines.py's; a GPT builds their norms from its config (docs/method.md §7).
 
 Inference has one decode path, as in gpt-fast: a static, preallocated KV cache per layer
 (`KVCache`, `GPT.setup_caches`), `prefill` of the prompt, then `decode_one_token` steps
@@ -42,10 +42,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from baselines import DYT_ALPHA0, DyT, FakeNorm, dyt_embed_scale, sync_fakeln
+from baselines import DYT_ALPHA0, NORM_FREE, FakeNorm, dyt_embed_scale, sync_fakeln
 from norms import Norm, all_reduce_sums, norm_input, norm_scale
 
-NORMS = ('rmsnorm', 'layernorm', 'dyt')  # 'dyt': the DyT baseline (baselines.py), no per-token statistics
+NORMS = ('rmsnorm', 'layernorm', *NORM_FREE)  # 'dyt', 'derf': the norm-free baselines (baselines.py), no per-token statistics
 TAPERS = ('none', 'internal', 'all')
 PHASES = ('warmup', 'taper', 'linear')  # 'baseline' is the phase of a model with taper='none'
 ACTIVATIONS = ('gelu', 'gelu_tanh')  # the MLP's GELU: exact (erf) | tanh approximation (GPT-2's gelu_new)
@@ -190,15 +190,15 @@ class GPTConfig:
     n_embd: int = 256
     dropout: float = 0.0
     bias: bool = True           # biases in Linear layers and LayerNorm β (GPT-2 style)
-    norm: str = 'rmsnorm'       # 'rmsnorm' | 'layernorm' (TaperLN, for GPT-2) | 'dyt' (the DyT baseline, taper='none')
+    norm: str = 'rmsnorm'       # 'rmsnorm' | 'layernorm' (TaperLN, for GPT-2) | 'dyt' | 'derf' (the DyT, Derf baselines, taper='none')
     taper: str = 'none'         # 'none' (baseline) | 'internal' (ln_1, ln_2) | 'all' (+ ln_f)
     aux_weight: float = 0.0     # λ of L_aux (docs/method.md §4); 0 disables it
     aux_form: str = 'absolute'  # 'absolute': the paper's L_aux | 'relative': (s/s_tgt − 1)², beyond the paper (aux_loss)
     norm_eps: float = 1e-5      # ε, passed explicitly to every norm
     activation: str = 'gelu'    # the MLP's GELU: 'gelu' (exact) | 'gelu_tanh' (GPT-2's gelu_new)
     norm_removal: str = 'none'  # 'none' | 'fakeln': the FakeLN baseline (docs/method.md §7), taper='none'
-    dyt_embed_scale: bool = True  # norm='dyt' only: a learnable scalar, √n_embd at init, scales the embeddings (baselines.py)
-    dyt_alpha0_scale: float = 1.0  # norm='dyt' only: multiplies every α₀ of baselines.DYT_ALPHA0 (the DyT paper's)
+    dyt_embed_scale: bool = True  # norm='dyt' or 'derf' only: a learnable scalar, √n_embd at init, scales the embeddings (baselines.py)
+    dyt_alpha0_scale: float = 1.0  # norm='dyt' or 'derf' only: multiplies every α₀ of baselines.DYT_ALPHA0 (the DyT paper's, Derf's here)
     folded: bool = False        # the tapered (or FakeLN) norms were folded into the next linear layers (fold.py)
 
     def __post_init__(self):
@@ -212,10 +212,10 @@ class GPTConfig:
             raise ValueError(f"norm_removal={self.norm_removal!r}: choose one of {NORM_REMOVALS}")
         if self.aux_form not in AUX_FORMS:
             raise ValueError(f"aux_form={self.aux_form!r}: choose one of {AUX_FORMS}")
-        if self.norm == 'dyt' and (self.taper != 'none' or self.norm_removal != 'none'):
-            raise ValueError(f"norm='dyt' is a baseline of its own (every norm a DyT, none tapered or "
-                             f"removed): it needs taper='none' and norm_removal='none' (got "
-                             f"taper={self.taper!r}, norm_removal={self.norm_removal!r})")
+        if self.norm in NORM_FREE and (self.taper != 'none' or self.norm_removal != 'none'):
+            raise ValueError(f"norm={self.norm!r} is a baseline of its own (every norm a "
+                             f"{NORM_FREE[self.norm].__name__}, none tapered or removed): it needs taper='none' "
+                             f"and norm_removal='none' (got taper={self.taper!r}, norm_removal={self.norm_removal!r})")
         if self.norm_removal != 'none' and self.taper != 'none':
             raise ValueError(f"norm_removal={self.norm_removal!r} is a baseline of its own: it needs "
                              f"taper='none' (got taper={self.taper!r})")
@@ -225,7 +225,7 @@ class GPTConfig:
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
         if self.dyt_alpha0_scale <= 0:
-            raise ValueError(f"dyt_alpha0_scale={self.dyt_alpha0_scale} must be > 0 (it multiplies DyT's α₀)")
+            raise ValueError(f"dyt_alpha0_scale={self.dyt_alpha0_scale} must be > 0 (it multiplies DyT's and Derf's α₀)")
         if self.norm_eps < 0:
             raise ValueError(f"norm_eps={self.norm_eps} must be >= 0")
         if self.n_embd % self.n_head != 0:
@@ -416,8 +416,8 @@ class GPT(nn.Module):
         kind, eps = config.norm, config.norm_eps
 
         def make_norm(where):  # 'ln_1' | 'ln_2' | 'ln_f'
-            if kind == 'dyt':
-                return DyT(config.n_embd, config.dyt_alpha0_scale * DYT_ALPHA0[where])
+            if kind in NORM_FREE:  # DyT or Derf, both with DyT's α₀ by position (baselines.Derf says why)
+                return NORM_FREE[kind](config.n_embd, config.dyt_alpha0_scale * DYT_ALPHA0[where])
             if not config.removable(final=where == 'ln_f'):
                 return Norm(config.n_embd, kind, config.bias, eps)
             if config.folded:
@@ -439,7 +439,7 @@ class GPT(nn.Module):
         if not config.untied_head():  # folding ln_f gives the head its own weight W' (docs/method.md §5)
             self.transformer.wte.weight = self.lm_head.weight
 
-        self.embed_scale = dyt_embed_scale(config)  # None but in a DyT model: its paper's LLM recipe (baselines.DyT)
+        self.embed_scale = dyt_embed_scale(config)  # None but in a DyT or Derf model: DyT's LLM recipe (baselines.DyT)
         self.register_buffer('gate', torch.ones(()))  # g, used only in the taper phase
         if config.taper != 'none':
             self.register_buffer('calibrated', torch.zeros((), dtype=torch.bool))

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from baselines import DYT_SATURATED, FAKELN_EVENTS, fakeln_step, final_dyt_saturated, remove_norms
+from baselines import FAKELN_EVENTS, fakeln_step, final_dyt_saturated, remove_norms, saturation_warning
 from configurator import (ConfigError, changed_keys, check_compiler, config_files, configure, defaults_of, keys_set,
                           overlay_rank)
 from gpt2 import GPT2_MODELS, PRETRAINED_SHAPE, PretrainedError, from_pretrained, pretrained_args
@@ -68,15 +68,15 @@ n_embd = 256
 block_size = 512            # context length
 dropout = 0.0
 bias = True                 # biases in Linear layers and LayerNorm β (GPT-2 style)
-norm = 'rmsnorm'            # 'rmsnorm' | 'layernorm' | 'dyt' (DyT, Zhu et al. 2025: γ ⊙ tanh(α·h) + β everywhere; baselines.py)
+norm = 'rmsnorm'            # 'rmsnorm' | 'layernorm' | 'dyt' (DyT, Zhu et al. 2025: γ ⊙ tanh(α·h) + β everywhere; baselines.py) | 'derf' (Derf, Chen et al. 2025: γ ⊙ erf(α·h + s) + β everywhere)
 norm_eps = 1e-5             # ε of every norm, r(h) and s(h)
 activation = 'gelu'         # the MLP's GELU: 'gelu' (exact) | 'gelu_tanh' (GPT-2's gelu_new)
 taper = 'none'              # 'none' | 'internal' | 'all'
 aux_weight = 0.0            # λ of the scale-anchor loss L_aux
 aux_form = 'absolute'       # 'absolute': λ·mean (s(h) − s_tgt)², the paper's | 'relative': λ·mean (s(h)/s_tgt − 1)², beyond the paper
 norm_removal = 'none'       # 'none' | 'fakeln': the FakeLN baseline (with taper='none'; docs/method.md §7)
-dyt_embed_scale = True      # norm='dyt': a learnable scalar (√n_embd at init) after the embedding, the DyT paper's LLM recipe
-dyt_alpha0_scale = 1.0      # norm='dyt': multiplies the DyT paper's α₀ (0.8 before attention, 0.2 elsewhere); it suggests larger for narrower models
+dyt_embed_scale = True      # norm='dyt' or 'derf': a learnable scalar (√n_embd at init) after the embedding, the DyT paper's LLM recipe (the Derf authors' GPT-2 code's too)
+dyt_alpha0_scale = 1.0      # norm='dyt' or 'derf': multiplies the DyT paper's α₀ (0.8 before attention, 0.2 elsewhere; Derf's too, baselines.Derf); it suggests larger for narrower models
 fakeln_interval = 30        # FakeLN: steps between its events (ln_2, ln_1, ln_f, first position at 1, 2, 3, 4 ×); 30: the gaps of Baroni et al.'s GPT-2 small schedule (all norms gone by step ~104 of 300), one kind at a time
 # batch: tokens per optimizer step = batch_size * block_size * gradient_accumulation_steps * world
 batch_size = 32             # sequences per micro-batch, per process
@@ -583,7 +583,7 @@ def main(argv):
                              **({'final_scale_rms': scale.item()} if scale is not None else {}),
                              grad_norm=stats['grad_norm'], step_ms=1000 * dt_s, tokens_per_s=tokens_per_iter / dt_s))
             if stats['dyt_saturated']:  # said once: it may recover
-                run.say_once('dyt_saturated', DYT_SATURATED.format(it=it))
+                run.say_once('dyt_saturated', saturation_warning(raw_model, it))
             if phase == 'warmup' and it == cfg.gate_warmup_iters - 1:  # c, s_tgt frozen; γ̃ ← γ
                 with run.during(f'the calibrate event after iteration {it}'):
                     event = calibrate_event(fwd_model, raw_model, folder, cfg, env)

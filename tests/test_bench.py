@@ -126,12 +126,14 @@ def test_a_checkpoint_is_timed_next_to_a_baseline_of_its_shape(tmp_path, capsys)
     assert base['weight_mb'] == results['baseline']['weight_mb']  # every variant takes the checkpoint's shape
 
 
-def test_a_dyt_checkpoint_is_refused_with_the_reason(tmp_path):
+@pytest.mark.parametrize('norm, why', [('dyt', r"DyT model \(norm='dyt'\).*tanh\(α·h\) does not fold"),
+                                       ('derf', r"Derf model \(norm='derf'\).*erf\(α·h \+ s\) does not fold")])
+def test_a_norm_free_checkpoint_is_refused_with_the_reason(tmp_path, norm, why):
     from model import GPT, GPTConfig
-    model = GPT(GPTConfig(block_size=32, vocab_size=100, n_layer=1, n_head=1, n_embd=16, norm='dyt'))
-    path = tmp_path / 'dyt.pt'
+    model = GPT(GPTConfig(block_size=32, vocab_size=100, n_layer=1, n_head=1, n_embd=16, norm=norm))
+    path = tmp_path / f'{norm}.pt'
     save_checkpoint({'model': model.state_dict(), 'model_args': vars(model.config)}, str(path))
-    with pytest.raises(SystemExit, match=r"DyT model \(norm='dyt'\).*tanh\(α·h\) does not fold"):
+    with pytest.raises(SystemExit, match=why):
         bench.main(TINY + [f'--ckpt={path}'])
 
 

@@ -287,9 +287,10 @@ def test_fold_refuses_what_it_cannot_fold():
     warm = GPT(GPTConfig(block_size=8, vocab_size=8, n_layer=1, n_head=1, n_embd=8, taper='internal'))
     with pytest.raises(fold.FoldError, match=r'warmup phase \(g = 1\)'):
         fold.fold_state_dict(warm.state_dict(), vars(warm.config))
-    dyt = GPT(GPTConfig(block_size=8, vocab_size=8, n_layer=1, n_head=1, n_embd=8, norm='dyt'))
-    with pytest.raises(fold.FoldError, match=r'DyT model: tanh\(α·h\) is not a linear map'):
-        fold.fold_state_dict(dyt.state_dict(), vars(dyt.config))
+    for norm, why in (('dyt', r'DyT model: tanh\(α·h\)'), ('derf', r'Derf model: erf\(α·h \+ s\)')):
+        free = GPT(GPTConfig(block_size=8, vocab_size=8, n_layer=1, n_head=1, n_embd=8, norm=norm))
+        with pytest.raises(fold.FoldError, match=why + ' is not a linear map'):
+            fold.fold_state_dict(free.state_dict(), vars(free.config))
 
 
 def offset_layernorm_model(offset):

@@ -312,13 +312,15 @@ def test_every_model_key_added_since_the_first_release_says_what_its_absence_mea
     assert ABSENT_MEANS['dyt_embed_scale'] is False  # DyT had no embedding scalar before 9b3e8c9
 
 
-def test_dyt_alpha0_scale_multiplies_the_papers_alpha0_at_every_position():
-    """Part 4's block 6 runs DyT at twice the paper's α₀ (it asks larger ones of narrower models)."""
-    alphas = {n.rsplit('.', 1)[-1]: m.alpha.item() for n, m in tiny('dyt', taper='none', dyt_alpha0_scale=2.0)
+@pytest.mark.parametrize('kind', ['dyt', 'derf'])
+def test_dyt_alpha0_scale_multiplies_the_papers_alpha0_at_every_position(kind):
+    """Part 4's block 6 runs DyT at twice the paper's α₀ (it asks larger ones of narrower models);
+    Derf takes DyT's α₀ and the same key (baselines.Derf)."""
+    alphas = {n.rsplit('.', 1)[-1]: m.alpha.item() for n, m in tiny(kind, taper='none', dyt_alpha0_scale=2.0)
               .named_modules() if n.endswith(('ln_1', 'ln_2', 'ln_f'))}
     assert alphas == {'ln_1': pytest.approx(1.6), 'ln_2': pytest.approx(0.4), 'ln_f': pytest.approx(0.4)}  # 2 × (0.8, 0.2, 0.2)
     with pytest.raises(ValueError, match=r"dyt_alpha0_scale=0.0 must be > 0"):
-        GPTConfig(norm='dyt', dyt_alpha0_scale=0.0)
+        GPTConfig(norm=kind, dyt_alpha0_scale=0.0)
 
 
 def test_dyt_is_gamma_tanh_alpha_h_plus_beta():
@@ -337,11 +339,58 @@ def test_dyt_is_gamma_tanh_alpha_h_plus_beta():
     assert np.allclose(m(h).detach().numpy(), want, rtol=0, atol=1e-12)
 
 
-def test_a_dyt_model_scales_its_embeddings_by_a_learnable_sqrt_d_as_the_dyt_paper_does_for_llms():
+def derf_with(alpha, shift, gamma, beta):
+    """A float64 Derf with these parameters (gamma, beta: lists of d floats)."""
+    from baselines import Derf
+    m = Derf(len(gamma), alpha0=0.5).double()
+    with torch.no_grad():  # filled in float64: α = 0.9 in float32 is 0.8999999762
+        m.alpha.fill_(alpha)
+        m.shift.fill_(shift)
+        m.weight.copy_(torch.tensor(gamma, dtype=torch.float64))
+        m.bias.copy_(torch.tensor(beta, dtype=torch.float64))
+    return m
+
+
+def test_derf_is_gamma_erf_alpha_h_plus_s_plus_beta_by_hand():
+    """arXiv 2512.10938's Derf(h) = γ ⊙ erf(α·h + s) + β against Python's math.erf, entry by entry,
+    with s ≠ 0 and entries on both sides of erf's knee; and its initialization (baselines.Derf)."""
+    from baselines import Derf
+    m = Derf(4, alpha0=0.7)
+    assert (m.alpha.dim(), m.shift.dim()) == (0, 0)  # one scalar α and one scalar s per module
+    assert m.alpha.item() == pytest.approx(0.7) and m.shift.item() == 0.0  # s₀ = 0, the authors' code's
+    assert torch.equal(m.weight, torch.ones(4)) and torch.equal(m.bias, torch.zeros(4))
+    alpha, s, gamma, beta = 1.3, -0.4, [0.5, -2.0, 1.5, 3.0], [0.1, 0.0, -0.7, 2.0]
+    m = derf_with(alpha, s, gamma, beta)
+    h = [[-3.0, -0.25, 0.0, 0.6], [0.31, 2.0, -1.1, 5.0]]  # (2 tokens, d = 4)
+    want = [[gamma[i] * math.erf(alpha * x + s) + beta[i] for i, x in enumerate(row)] for row in h]
+    got = m(torch.tensor(h, dtype=torch.float64)).tolist()
+    assert np.allclose(got, want, rtol=0, atol=1e-14), (got, want)
+
+
+def test_derf_gradients_reach_alpha_s_gamma_and_beta_as_the_chain_rule_says():
+    """L = Σ w ⊙ Derf(h): ∂L/∂α = Σ w γ erf'(z) h, ∂L/∂s = Σ w γ erf'(z), ∂L/∂γ = Σ_tokens w erf(z),
+    ∂L/∂β = Σ_tokens w, with z = α·h + s and erf'(z) = 2/√π exp(−z²), written out by hand."""
+    alpha, s, gamma, beta = 0.9, 0.3, [0.5, -2.0, 1.5], [0.1, 0.0, -0.7]
+    m = derf_with(alpha, s, gamma, beta)
+    h = [[-1.5, 0.2, 0.7], [0.4, -0.1, 2.5]]
+    w = [[1.0, -0.5, 2.0], [0.3, 1.2, -1.0]]
+    (m(torch.tensor(h, dtype=torch.float64)) * torch.tensor(w, dtype=torch.float64)).sum().backward()
+    cells = [(t, i) for t in range(2) for i in range(3)]
+    z = {(t, i): alpha * h[t][i] + s for t, i in cells}
+    d_erf = {c: 2 / math.sqrt(math.pi) * math.exp(-z[c] ** 2) for c in cells}
+    assert m.alpha.grad.item() == pytest.approx(sum(w[t][i] * gamma[i] * d_erf[t, i] * h[t][i] for t, i in cells), rel=1e-12)
+    assert m.shift.grad.item() == pytest.approx(sum(w[t][i] * gamma[i] * d_erf[t, i] for t, i in cells), rel=1e-12)
+    assert m.weight.grad.tolist() == pytest.approx([sum(w[t][i] * math.erf(z[t, i]) for t in range(2)) for i in range(3)], rel=1e-12)
+    assert m.bias.grad.tolist() == pytest.approx([w[0][i] + w[1][i] for i in range(3)], rel=1e-12)
+    assert all(g != 0 for g in (m.alpha.grad, m.shift.grad)) and m.weight.grad.abs().min() > 0
+
+
+@pytest.mark.parametrize('kind', ['dyt', 'derf'])
+def test_a_norm_free_model_scales_its_embeddings_by_a_learnable_sqrt_d_as_the_dyt_paper_does_for_llms(kind):
     x = torch.randint(0, 64, (2, 16))
     seen = {}
     for scaled in (True, False):
-        model = tiny('dyt', taper='none', dyt_embed_scale=scaled)
+        model = tiny(kind, taper='none', dyt_embed_scale=scaled)
         model.transformer.h[0].ln_1.register_forward_hook(lambda m, args, out: seen.update({scaled: args[0]}))
         model(x, x)
         tr = model.transformer
@@ -352,27 +401,52 @@ def test_a_dyt_model_scales_its_embeddings_by_a_learnable_sqrt_d_as_the_dyt_pape
     assert tiny('rmsnorm', taper='none').embed_scale is None
 
 
-def test_a_dyt_model_has_a_dyt_at_every_norm_with_the_papers_alpha0():
-    from baselines import DyT
-    model = tiny('dyt', taper='none')
+@pytest.mark.parametrize('kind', ['dyt', 'derf'])
+def test_a_norm_free_model_has_its_map_at_every_norm_with_the_dyt_papers_alpha0(kind):
+    from baselines import NORM_FREE
+    model = tiny(kind, taper='none')
     norms = {n: m for n, m in model.named_modules() if n.endswith(('ln_1', 'ln_2', 'ln_f'))}
-    assert len(norms) == 2 * 2 + 1 and all(isinstance(m, DyT) for m in norms.values())
+    assert len(norms) == 2 * 2 + 1 and all(type(m) is NORM_FREE[kind] for m in norms.values())
     assert {n.rsplit('.', 1)[-1]: m.alpha.item() for n, m in norms.items()} == \
         {'ln_1': pytest.approx(0.8), 'ln_2': pytest.approx(0.2), 'ln_f': pytest.approx(0.2)}
+    assert kind == 'dyt' or all(m.shift.item() == 0 for m in norms.values())  # Derf's s₀
     assert not any(isinstance(m, (Norm, TaperNorm)) for m in model.modules())
     x = torch.randint(0, 64, (2, 16))
     _, loss = model(x, x)
     loss.backward()
     assert all(m.alpha.grad is not None and m.alpha.grad.abs() > 0 for m in norms.values())  # α learns
+    assert kind == 'dyt' or all(m.shift.grad.abs() > 0 for m in norms.values())  # so does Derf's s
     assert model.embed_scale.grad.abs() > 0  # so does the embedding scalar
-    # α, γ, β and the embedding scalar are gains and biases: no weight decay
+    # α, s, γ, β and the embedding scalar are gains and biases: no weight decay
     opt = train.configure_optimizer(model, 0.1, 1e-3, (0.9, 0.95), 'cpu')
     no_decay = {id(p) for g in opt.param_groups if g['weight_decay'] == 0 for p in g['params']}
     assert all(id(p) in no_decay for m in norms.values() for p in m.parameters())
     assert id(model.embed_scale) in no_decay
-    for bad in (dict(taper='internal'), dict(norm_removal='fakeln')):
-        with pytest.raises(ValueError, match="norm='dyt' is a baseline of its own"):
-            GPTConfig(norm='dyt', **bad)
+    for bad in (dict(taper='internal'), dict(taper='all'), dict(norm_removal='fakeln')):
+        with pytest.raises(ValueError, match=f"norm='{kind}' is a baseline of its own \\(every norm a "
+                                             f"{NORM_FREE[kind].__name__}, none tapered or removed\\)"):
+            GPTConfig(norm=kind, **bad)
+
+
+def test_a_saturated_final_derf_is_told_and_stops_every_gradient_to_the_blocks():
+    """baselines.final_dyt_saturated covers Derf: with s = 20 at ln_f, every |α·h + s| is past
+    erf's float32 range (exp(−z²) underflows past ≈ 10.2), α gets an exactly-zero gradient and so
+    does every tensor of the blocks; at s₀ = 0 nothing is saturated. train.py's line names Derf."""
+    from baselines import final_dyt_saturated, saturation_warning
+    x = torch.randint(0, 64, (2, 16))
+    model = tiny('derf', taper='none')
+    model(x, x)[1].backward()
+    assert not final_dyt_saturated(model)
+    model.zero_grad()
+    with torch.no_grad():
+        model.transformer.ln_f.shift.fill_(20.0)
+    model(x, x)[1].backward()
+    assert final_dyt_saturated(model) and model.transformer.ln_f.shift.grad == 0
+    assert all(p.grad is None or not p.grad.any() for n, p in model.named_parameters() if n.startswith('transformer.h.'))
+    line = saturation_warning(model, 7)
+    assert line.startswith("warning: iteration 7: the final Derf saturated (|α·h + s| past float32's erf' range")
+    assert 'tanh' not in line.split(':')[2]
+    assert final_dyt_saturated(tiny('rmsnorm', taper='none')).item() is False
 
 
 @pytest.mark.parametrize('kind', KINDS)

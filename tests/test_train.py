@@ -124,6 +124,26 @@ def test_config_errors_name_the_key(args, message):
         load_config(args)
 
 
+def test_a_derf_run_trains_on_the_toy_data_and_its_checkpoint_loads_as_derf(toy_data, tmp_path):
+    """norm='derf' (baselines.Derf) through train.py: finite losses from the first step, a finite val
+    loss, and a checkpoint that loads (runs.load_model) into the same Derf model it saved."""
+    from baselines import Derf
+    out = tmp_path / 'derf'
+    model = train.main(toy_args(toy_data, out, norm='derf', taper='none', aux_weight=0.0, max_iters=4,
+                                lr_decay_iters=4, eval_interval=4))
+    log = read_log(out)
+    losses = [r['loss'] for r in log if 'loss' in r]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    assert [r['phase'] for r in log if 'loss' in r] == ['baseline'] * 4
+    assert all(math.isfinite(r['val_loss']) for r in log if 'val_loss' in r) and any('val_loss' in r for r in log)
+    loaded, _ = load_model(str(out / 'ckpt.pt'))
+    assert loaded.config.norm == 'derf' and loaded.embed_scale is not None
+    assert all(type(m) is Derf for m in (loaded.transformer.ln_f, *(b.ln_1 for b in loaded.transformer.h)))
+    assert loaded.transformer.ln_f.shift.item() != 0  # s learned in 4 steps (s₀ = 0)
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_a_dyt_run_whose_final_norm_saturates_says_so_once_and_it_is_true(tmp_path, capsys):
     """Real text (Emma's first chapters, tests/data/emma.txt, public domain), DyT with its paper's recipe at
     a rate high for the model: within ~25 steps the residual stream grows past the final DyT's tanh range
