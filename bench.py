@@ -26,6 +26,11 @@ new_tokens / decode time (aggregate), tokens/s/seq = tokens/s / batch_size. GB/s
 step reads (weights, the LM head once, batch_size embedding rows, the whole KV cache) / step time.
 peak MB (CUDA): weights + KV cache + the most a trial allocated on top. The last line printed is one
 JSON object with the configuration and every result.
+
+Conditions, in the header and the JSON's `conditions`: torch's thread count, the CPU model, the ISA
+torch's CPU kernels dispatch to, and the 1, 5, 15-minute load averages when the run starts. When the
+1-minute load average exceeds half a core per thread in use (load₁ > 0.5 · threads), one line says
+that the machine is busy and its ratios are unreliable (benchkit.py's busy rule).
 """
 
 import copy
@@ -39,6 +44,7 @@ from functools import partial
 
 import torch
 
+from benchkit import calibrated_model, conditions, interleaved, print_conditions, random_tokens, sync, with_peak
 from configurator import ConfigError, configure, resolve_device, set_tf32, uses_tf32
 from fold import CheckError, fold_model, max_logit_error, tensor_bytes
 from model import GPT, LADDER, GPTConfig, TaperScale, decode_n_tokens, decode_one_token, prefill, unfused
@@ -94,24 +100,13 @@ def architecture(cfg):
 
 # ---- building the variants --------------------------------------------------------------
 
-def random_tokens(vocab_size, shape, seed):
-    """int64 ids (shape) below vocab_size, from a CPU torch.Generator seeded with seed."""
-    return torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(seed))
-
-
 @torch.no_grad()
 def linear_phase_model(arch, taper, seed):
     """A GPT with the given taper, brought to the linear phase through the real path:
-    calibration statistics from random tokens, calibrate() (c, γ̃ ← γ), then γ̃ spread
-    around 1 as if trained, and g = 0. Same seed, same matrices as the baseline."""
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(**arch, taper=taper))
-    gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randint(0, arch['vocab_size'], (4, min(64, arch['block_size'])), generator=gen)
-    model.set_collect('calibration')
-    model(x, x)  # the calibration statistics of one batch
-    model.set_collect(None)
-    model.calibrate('end')
+    calibration statistics from random tokens, calibrate() (c, γ̃ ← γ; benchkit.calibrated_model),
+    then γ̃ spread around 1 as if trained, and g = 0. Same seed, same matrices as the baseline."""
+    model = calibrated_model(dict(arch, taper=taper), seed)
+    gen = torch.Generator().manual_seed(seed + 4)  # seed + 1 .. 3: calibration, gate and prompt tokens
     for _, m in model.tapernorms():
         m.weight_tilde.mul_(torch.exp(0.3 * torch.randn(m.weight_tilde.shape, generator=gen)))
     model.set_phase('linear')
@@ -168,11 +163,6 @@ def make_steps(compiled, device_type, functions=(prefill, decode_one_token)):
                                fullgraph=True, dynamic=False, mode=mode) for f in functions)
 
 
-def sync(device_type):
-    if device_type in ('cuda', 'mps'):
-        getattr(torch, device_type).synchronize()
-
-
 def run_decode(model, steps, prompt, new, device_type):
     """Prefill, then `new` decode steps (decode_n_tokens). Returns (ttft_s, decode_s, tokens (B, new + 1))."""
     prefill_pos = torch.arange(prompt.size(1), device=prompt.device)
@@ -188,23 +178,23 @@ def run_decode(model, steps, prompt, new, device_type):
 
 def time_variants(models, steps, prompts, new, trials, device_type, after_warm_up=None):
     """Two warm-up trials per variant (CUDA graphs record on a second call), after_warm_up(compile_s),
-    then `trials` trials, the variants interleaved. Returns (compile_s {name: the first trial's extra
-    seconds}, {name: [(ttft_s, decode_s)]}, {name: most a trial allocated over the resident, CUDA})."""
-    compile_s, times, transient = {}, {n: [] for n in models}, {}
-    for n, m in models.items():
-        first, second = [run_decode(m, steps[n], prompts[n], new, device_type)[:2] for _ in range(2)]
-        compile_s[n] = sum(first) - sum(second)
-    if after_warm_up is not None:
-        after_warm_up(compile_s)
-    for _ in range(trials):
-        for n, m in models.items():
-            if device_type == 'cuda':
-                torch.cuda.reset_peak_memory_stats()
-                resident = torch.cuda.memory_allocated()
-            times[n].append(run_decode(m, steps[n], prompts[n], new, device_type)[:2])
-            if device_type == 'cuda':
-                transient[n] = max(transient.get(n, 0), torch.cuda.max_memory_allocated() - resident)
-    return compile_s, times, transient
+    then `trials` trials, the variants interleaved (benchkit.interleaved). Returns (compile_s {name: the
+    first trial's extra seconds}, {name: [(ttft_s, decode_s)]}, {name: most a trial allocated over the
+    resident, CUDA})."""
+    def trial(n):
+        return with_peak(lambda: run_decode(models[n], steps[n], prompts[n], new, device_type)[:2], device_type)
+
+    runs = {n: trial(n) for n in models}
+    compile_s = {}
+
+    def warmed_up(warm):
+        compile_s.update({n: sum(w[0][0]) - sum(w[1][0]) for n, w in warm.items()})
+        if after_warm_up is not None:
+            after_warm_up(compile_s)
+
+    _, timed = interleaved(runs, trials, 2, warmed_up)
+    transient = {n: max(t[1] for t in ts) for n, ts in timed.items()} if device_type == 'cuda' else {}
+    return compile_s, {n: [t[0] for t in ts] for n, ts in timed.items()}, transient
 
 
 def memory_bytes(model, batch_size, cache_len):
@@ -321,9 +311,10 @@ def main(argv):
     pairs = [('internal_unfused', 'internal_folded'), ('all_taper', 'all_folded')] + pairs
 
     print(f"bench: {'the checkpoint' if cfg.ckpt else cfg.size or 'custom'}'s shape {arch} | {', '.join(models)}")
-    print(f"  device={dev} dtype={dt} tf32={uses_tf32(dev, dt)} torch={torch.__version__} threads="
-          f"{torch.get_num_threads()} | mode=decode batch_size={B} prompt_len={P} new_tokens={N} | trials="
-          f"{cfg.trials} (+2 warm-up) | {' and '.join('compiled' if f else 'eager' for f in flags)}")
+    print(f"  device={dev} dtype={dt} tf32={uses_tf32(dev, dt)} torch={torch.__version__} | mode=decode "
+          f"batch_size={B} prompt_len={P} new_tokens={N} | trials={cfg.trials} (+2 warm-up) | "
+          f"{' and '.join('compiled' if f else 'eager' for f in flags)}")
+    print_conditions(machine := conditions())
     if cfg.trials < 5:
         print(f"  note: {cfg.trials} trial{'s' * (cfg.trials != 1)}; medians of fewer than 5 are noisy")
     if about:
@@ -354,7 +345,7 @@ def main(argv):
     if cfg.profile:
         profile_step(models, steps if flags[-1] else None, prompt, device_type)
     record = {'device': torch.cuda.get_device_name(dev) if device_type == 'cuda' else f'cpu ({os.cpu_count()} cores)',
-              'torch': torch.__version__,
+              'torch': torch.__version__, 'conditions': machine,
               'config': dict(size=cfg.size, **{k: arch[k] for k in SHAPE}, batch_size=B, prompt_len=P, new_tokens=N,
                              dtype=dt, tf32=tf32, trials=cfg.trials, seed=cfg.seed, mode='decode', compile=cfg.compile,
                              ckpt=cfg.ckpt),
