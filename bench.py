@@ -1,10 +1,13 @@
 """
-KV-cached decoding throughput: RMSNorm baseline vs TaperNorm unfused vs folded (docs/method.md §5).
+KV-cached decoding throughput: RMSNorm baseline vs TaperNorm unfused vs folded (docs/method.md §5);
+with --mode=train, what TaperNorm costs in training, per phase and over a whole run (bench_train.py).
 
     python bench.py                                   # 9M, batch 1, eager and compiled
     python bench.py --size=30M --batch_size=8 --compile=compiled
     python bench.py --ckpt=internal-folded.pt         # also time a real checkpoint
     python bench.py --profile=True                    # + a torch.profiler table of one decode step
+    python bench.py --mode=train --size=1M --trials=3 # one optimizer step per variant and phase
+    python bench.py --mode=train --batch_size=4 --block_size=256 --schedule=config/tinystories_all_taper.py
 
 Variants, one architecture, the same random weights (tapered: calibrated on random tokens, g = 0):
     baseline           RMSNorm everywhere, torch's fused F.rms_norm
@@ -44,31 +47,37 @@ from functools import partial
 
 import torch
 
+import bench_train
 from benchkit import calibrated_model, conditions, interleaved, print_conditions, random_tokens, sync, with_peak
-from configurator import ConfigError, configure, resolve_device, set_tf32, uses_tf32
+from configurator import ConfigError, configure, defaults_of, keys_set, resolve_device, set_tf32, uses_tf32
 from fold import CheckError, fold_model, max_logit_error, tensor_bytes
 from model import GPT, LADDER, GPTConfig, TaperScale, decode_n_tokens, decode_one_token, prefill, unfused
 from runs import load_model
 
 # -----------------------------------------------------------------------------
+mode = 'decode'         # 'decode': KV-cached decoding | 'train': an optimizer step per variant and phase
 size = '9M'             # a row of the ladder (docs/method.md §6): 1M | 3M | 9M | 30M ('': give the shape below)
 n_layer = 0             # blocks; this, n_head and n_embd, when > 0, override the size's value
 n_head = 0              # attention heads
 n_embd = 0              # width d
 vocab_size = 10000      # vocabulary of the random-weight variants
-block_size = 512        # their context: prompt_len + new_tokens must fit
-batch_size = 1          # sequences decoded together (B)
+block_size = 512        # their context: prompt_len + new_tokens must fit (train: 128 unless given)
+batch_size = 1          # sequences decoded together (B) (train: a step's, 16 unless given: config/cpu.py's)
 prompt_len = 128        # prompt tokens, prefilled (TTFT)
 new_tokens = 256        # decode steps timed
 compile = 'both'        # 'both' | 'eager' | 'compiled'
 device = 'auto'         # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:N' | 'mps'
 dtype = 'auto'          # 'auto' (bfloat16 on CUDA where supported, else float32) | 'float32' | 'bfloat16'
-trials = 5              # timed trials per variant (the median is reported), after two warm-up trials
+trials = 5              # timed trials per variant (the median is reported), after two warm-up trials (train: 3 steps)
 seed = 1337             # weights, calibration tokens, prompt and gate sequence
 ckpt = ''               # also time this checkpoint (raw or folded) next to a baseline of its shape; every variant then takes its shape (--size is not used)
-profile = False         # print a torch.profiler table of one decode step of baseline and internal_folded
+profile = False         # torch.profiler tables of one step: decode, baseline and internal_folded; train, every row
+schedule = 'config/tinystories_all_taper.py'  # train: the run projected: train.py config files, comma-separated
+gate_warmup_iters = 0   # train: W of that run; 0: the schedule's (likewise the next two)
+taper_iters = 0         # train: T of that run
+max_iters = 0           # train: its optimizer steps
 # -----------------------------------------------------------------------------
-CHOICES = {'size': ('', *LADDER), 'compile': ('both', 'eager', 'compiled')}
+CHOICES = {'mode': ('decode', 'train'), 'size': ('', *LADDER), 'compile': ('both', 'eager', 'compiled')}
 VARIANTS = ('baseline', 'internal_unfused', 'internal_folded', 'all_folded')
 SHAPE = ('n_layer', 'n_head', 'n_embd', 'vocab_size', 'block_size')  # the architecture in the JSON record
 GATE_TOKENS = 16   # greedy tokens that must be identical
@@ -83,6 +92,9 @@ def architecture(cfg):
     vocab_size and block_size (a dict)."""
     if bad := [k for k in ('batch_size', 'prompt_len', 'new_tokens', 'trials') if cfg[k] < 1]:
         raise ConfigError(f"--{bad[0]}={cfg[bad[0]]} must be >= 1")
+    if cfg['mode'] == 'train' and cfg['ckpt']:
+        raise ConfigError("--ckpt times a checkpoint's decoding: drop it with --mode=train, which times "
+                          "random-weight models of --size")
     keys = ('n_layer', 'n_head', 'n_embd')
     arch = dict(LADDER.get(cfg['size'], {}), **{k: cfg[k] for k in keys if cfg[k] > 0})
     if missing := [k for k in keys if k not in arch]:
@@ -92,7 +104,7 @@ def architecture(cfg):
         GPTConfig(**arch)  # sizes >= 1, n_embd divisible by n_head
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if cfg['prompt_len'] + cfg['new_tokens'] > cfg['block_size']:
+    if cfg['mode'] == 'decode' and cfg['prompt_len'] + cfg['new_tokens'] > cfg['block_size']:
         raise ConfigError(f"prompt_len + new_tokens = {cfg['prompt_len'] + cfg['new_tokens']} exceeds "
                           f"block_size {cfg['block_size']}: lower --prompt_len or --new_tokens")
     return arch
@@ -295,12 +307,16 @@ def gate_compiled(models, steps, prompts, n_new, dt, device_type, compile_s):
 def main(argv):
     """Run the benchmark; returns the JSON record printed on the last line."""
     cfg = configure(argv, globals(), choices=CHOICES, validate=architecture)
+    flags = {'both': [False, True], 'eager': [False], 'compiled': [True]}[cfg.compile]
+    if cfg.mode == 'train':  # its own batch and context unless given: a decode's batch of 1 trains nothing typical
+        given = keys_set(argv, defaults_of(globals()), ('batch_size', 'block_size'), CHOICES)
+        vars(cfg).update({k: v for k, v in bench_train.train_shape().items() if k not in given})
+        return bench_train.main(cfg, architecture(vars(cfg)), flags)
     arch, (dev, dt) = architecture(vars(cfg)), resolve_device(cfg.device, cfg.dtype)
     device_type = torch.device(dev).type
     if device_type == 'cuda':
         torch.cuda.set_device(dev)  # sync and memory statistics then refer to this device
     set_tf32(dev, 'float32')  # the gate's forwards: IEEE fp32, whatever ran before in the process
-    flags = {'both': [False, True], 'eager': [False], 'compiled': [True]}[cfg.compile]
     B, P, N = cfg.batch_size, cfg.prompt_len, cfg.new_tokens
     # with --ckpt, every variant takes the checkpoint's shape, whatever --size says
     extra, raw, pairs, about, arch = checkpoint_variants(cfg) if cfg.ckpt else ({}, {}, [], '', arch)
@@ -345,7 +361,7 @@ def main(argv):
     if cfg.profile:
         profile_step(models, steps if flags[-1] else None, prompt, device_type)
     record = {'device': torch.cuda.get_device_name(dev) if device_type == 'cuda' else f'cpu ({os.cpu_count()} cores)',
-              'torch': torch.__version__, 'conditions': machine,
+              'torch': torch.__version__, 'conditions': machine, 'mode': 'decode',
               'config': dict(size=cfg.size, **{k: arch[k] for k in SHAPE}, batch_size=B, prompt_len=P, new_tokens=N,
                              dtype=dt, tf32=tf32, trials=cfg.trials, seed=cfg.seed, mode='decode', compile=cfg.compile,
                              ckpt=cfg.ckpt),

@@ -111,7 +111,8 @@ def print_conditions(c):
     """The header line of conditions() `c`, and when the machine is busy the one line saying that its
     ratios are unreliable."""
     load = 'n/a' if c['load'] is None else ' '.join(f'{x:.2f}' for x in c['load'])
-    print(f"  threads={c['threads']} cpu={c['cpu'] or '?'} isa={c['cpu_capability']} load average (1, 5, 15 min)={load}")
+    print(f"  threads={c['threads']} cpu={c['cpu'] or '?'} isa={c['cpu_capability']} "
+          f"load average (1, 5, 15 min)={load}")
     if c['busy']:
         print(f"  warning: the machine is busy (1-minute load {c['load'][0]:.2f} > {BUSY_LOAD_PER_THREAD} × "
               f"{c['threads']} threads): ratios are unreliable; time on an idle machine")
