@@ -47,7 +47,6 @@ from functools import partial
 
 import torch
 
-import bench_train
 from benchkit import calibrated_model, conditions, interleaved, print_conditions, random_tokens, sync, with_peak
 from configurator import ConfigError, configure, defaults_of, keys_set, resolve_device, set_tf32, uses_tf32
 from fold import CheckError, fold_model, max_logit_error, tensor_bytes
@@ -309,6 +308,7 @@ def main(argv):
     cfg = configure(argv, globals(), choices=CHOICES, validate=architecture)
     flags = {'both': [False, True], 'eager': [False], 'compiled': [True]}[cfg.compile]
     if cfg.mode == 'train':  # its own batch and context unless given: a decode's batch of 1 trains nothing typical
+        import bench_train  # here: decoding, an inference script's job, never loads train.py (test_inference.py)
         given = keys_set(argv, defaults_of(globals()), ('batch_size', 'block_size'), CHOICES)
         vars(cfg).update({k: v for k, v in bench_train.train_shape().items() if k not in given})
         return bench_train.main(cfg, architecture(vars(cfg)), flags)

@@ -405,3 +405,15 @@ def test_the_header_and_json_state_the_conditions_and_a_busy_machine(monkeypatch
     assert c['load'] == [round(per_thread * threads, 2), 0.1, 0.2] and c['busy'] is busy and c['cpu']
     assert f'threads={threads} ' in out and f"isa={c['cpu_capability']}" in out
     assert ('ratios are unreliable' in out) is busy  # load₁ > 0.5 core per thread in use
+
+
+def test_decode_mode_never_loads_train_py():
+    """bench.py is an inference script (tests/test_inference.py): only --mode=train imports train.py."""
+    import os
+    import subprocess
+    import sys
+    code = "import sys, bench; bench.main(sys.argv[1:]); print('train' in sys.modules)"
+    out = subprocess.run([sys.executable, '-c', code, *TINY], cwd=bench_train.ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == 'False'
