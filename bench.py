@@ -1,10 +1,13 @@
 """
-KV-cached decoding throughput: RMSNorm baseline vs TaperNorm unfused vs folded (docs/method.md §5).
+KV-cached decoding throughput: RMSNorm baseline vs TaperNorm unfused vs folded (docs/method.md §5);
+with --mode=train, what TaperNorm costs in training, per phase and over a whole run (bench_train.py).
 
     python bench.py                                   # 9M, batch 1, eager and compiled
     python bench.py --size=30M --batch_size=8 --compile=compiled
     python bench.py --ckpt=internal-folded.pt         # also time a real checkpoint
     python bench.py --profile=True                    # + a torch.profiler table of one decode step
+    python bench.py --mode=train --size=1M --trials=3 # one optimizer step per variant and phase
+    python bench.py --mode=train --batch_size=4 --block_size=256 --schedule=config/tinystories_all_taper.py
 
 Variants, one architecture, the same random weights (tapered: calibrated on random tokens, g = 0):
     baseline           RMSNorm everywhere, torch's fused F.rms_norm
@@ -26,6 +29,11 @@ new_tokens / decode time (aggregate), tokens/s/seq = tokens/s / batch_size. GB/s
 step reads (weights, the LM head once, batch_size embedding rows, the whole KV cache) / step time.
 peak MB (CUDA): weights + KV cache + the most a trial allocated on top. The last line printed is one
 JSON object with the configuration and every result.
+
+Conditions, in the header and the JSON's `conditions`: torch's thread count, the CPU model, the ISA
+torch's CPU kernels dispatch to, and the 1, 5, 15-minute load averages when the run starts. When the
+1-minute load average exceeds half a core per thread in use (load₁ > 0.5 · threads), one line says
+that the machine is busy and its ratios are unreliable (benchkit.py's busy rule).
 """
 
 import copy
@@ -40,30 +48,36 @@ from functools import partial
 import torch
 
 from baselines import NORM_FREE
-from configurator import ConfigError, configure, resolve_device, set_tf32, uses_tf32
+from benchkit import calibrated_model, conditions, interleaved, print_conditions, random_tokens, sync, with_peak
+from configurator import ConfigError, configure, defaults_of, keys_set, resolve_device, set_tf32, uses_tf32
 from fold import CheckError, fold_model, max_logit_error, tensor_bytes
 from model import GPT, LADDER, GPTConfig, TaperScale, decode_n_tokens, decode_one_token, prefill, unfused
 from runs import load_model
 
 # -----------------------------------------------------------------------------
+mode = 'decode'         # 'decode': KV-cached decoding | 'train': an optimizer step per variant and phase
 size = '9M'             # a row of the ladder (docs/method.md §6): 1M | 3M | 9M | 30M ('': give the shape below)
 n_layer = 0             # blocks; this, n_head and n_embd, when > 0, override the size's value
 n_head = 0              # attention heads
 n_embd = 0              # width d
 vocab_size = 10000      # vocabulary of the random-weight variants
-block_size = 512        # their context: prompt_len + new_tokens must fit
-batch_size = 1          # sequences decoded together (B)
+block_size = 512        # their context: prompt_len + new_tokens must fit; train: the sequence, 128 unless given
+batch_size = 1          # sequences decoded together (B); train: a step's, 16 unless given (config/cpu.py's)
 prompt_len = 128        # prompt tokens, prefilled (TTFT)
 new_tokens = 256        # decode steps timed
 compile = 'both'        # 'both' | 'eager' | 'compiled'
 device = 'auto'         # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:N' | 'mps'
 dtype = 'auto'          # 'auto' (bfloat16 on CUDA where supported, else float32) | 'float32' | 'bfloat16'
-trials = 5              # timed trials per variant (the median is reported), after two warm-up trials
+trials = 5              # timed trials per variant (the median is reported), after two warm-up trials (train: 3)
 seed = 1337             # weights, calibration tokens, prompt and gate sequence
 ckpt = ''               # also time this checkpoint (raw or folded) next to a baseline of its shape; every variant then takes its shape (--size is not used)
-profile = False         # print a torch.profiler table of one decode step of baseline and internal_folded
+profile = False         # torch.profiler tables of one step: decode, baseline and internal_folded; train, every row
+schedule = 'config/tinystories_all_taper.py'  # train: the run projected: train.py config files, comma-separated
+gate_warmup_iters = 0   # train: W of that run; 0: the schedule's (likewise the next two)
+taper_iters = 0         # train: T of that run
+max_iters = 0           # train: its optimizer steps
 # -----------------------------------------------------------------------------
-CHOICES = {'size': ('', *LADDER), 'compile': ('both', 'eager', 'compiled')}
+CHOICES = {'mode': ('decode', 'train'), 'size': ('', *LADDER), 'compile': ('both', 'eager', 'compiled')}
 VARIANTS = ('baseline', 'internal_unfused', 'internal_folded', 'all_folded')
 SHAPE = ('n_layer', 'n_head', 'n_embd', 'vocab_size', 'block_size')  # the architecture in the JSON record
 GATE_TOKENS = 16   # greedy tokens that must be identical
@@ -78,6 +92,9 @@ def architecture(cfg):
     vocab_size and block_size (a dict)."""
     if bad := [k for k in ('batch_size', 'prompt_len', 'new_tokens', 'trials') if cfg[k] < 1]:
         raise ConfigError(f"--{bad[0]}={cfg[bad[0]]} must be >= 1")
+    if cfg['mode'] == 'train' and cfg['ckpt']:
+        raise ConfigError("--ckpt times a checkpoint's decoding: drop it with --mode=train, which times "
+                          "random-weight models of --size")
     keys = ('n_layer', 'n_head', 'n_embd')
     arch = dict(LADDER.get(cfg['size'], {}), **{k: cfg[k] for k in keys if cfg[k] > 0})
     if missing := [k for k in keys if k not in arch]:
@@ -87,7 +104,7 @@ def architecture(cfg):
         GPTConfig(**arch)  # sizes >= 1, n_embd divisible by n_head
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if cfg['prompt_len'] + cfg['new_tokens'] > cfg['block_size']:
+    if cfg['mode'] == 'decode' and cfg['prompt_len'] + cfg['new_tokens'] > cfg['block_size']:
         raise ConfigError(f"prompt_len + new_tokens = {cfg['prompt_len'] + cfg['new_tokens']} exceeds "
                           f"block_size {cfg['block_size']}: lower --prompt_len or --new_tokens")
     return arch
@@ -95,24 +112,13 @@ def architecture(cfg):
 
 # ---- building the variants --------------------------------------------------------------
 
-def random_tokens(vocab_size, shape, seed):
-    """int64 ids (shape) below vocab_size, from a CPU torch.Generator seeded with seed."""
-    return torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(seed))
-
-
 @torch.no_grad()
 def linear_phase_model(arch, taper, seed):
     """A GPT with the given taper, brought to the linear phase through the real path:
-    calibration statistics from random tokens, calibrate() (c, γ̃ ← γ), then γ̃ spread
-    around 1 as if trained, and g = 0. Same seed, same matrices as the baseline."""
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(**arch, taper=taper))
-    gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randint(0, arch['vocab_size'], (4, min(64, arch['block_size'])), generator=gen)
-    model.set_collect('calibration')
-    model(x, x)  # the calibration statistics of one batch
-    model.set_collect(None)
-    model.calibrate('end')
+    calibration statistics from random tokens, calibrate() (c, γ̃ ← γ; benchkit.calibrated_model),
+    then γ̃ spread around 1 as if trained, and g = 0. Same seed, same matrices as the baseline."""
+    model = calibrated_model(dict(arch, taper=taper), seed)
+    gen = torch.Generator().manual_seed(seed + 4)  # seed + 1 .. 3: calibration, gate and prompt tokens
     for _, m in model.tapernorms():
         m.weight_tilde.mul_(torch.exp(0.3 * torch.randn(m.weight_tilde.shape, generator=gen)))
     model.set_phase('linear')
@@ -170,11 +176,6 @@ def make_steps(compiled, device_type, functions=(prefill, decode_one_token)):
                                fullgraph=True, dynamic=False, mode=mode) for f in functions)
 
 
-def sync(device_type):
-    if device_type in ('cuda', 'mps'):
-        getattr(torch, device_type).synchronize()
-
-
 def run_decode(model, steps, prompt, new, device_type):
     """Prefill, then `new` decode steps (decode_n_tokens). Returns (ttft_s, decode_s, tokens (B, new + 1))."""
     prefill_pos = torch.arange(prompt.size(1), device=prompt.device)
@@ -190,23 +191,23 @@ def run_decode(model, steps, prompt, new, device_type):
 
 def time_variants(models, steps, prompts, new, trials, device_type, after_warm_up=None):
     """Two warm-up trials per variant (CUDA graphs record on a second call), after_warm_up(compile_s),
-    then `trials` trials, the variants interleaved. Returns (compile_s {name: the first trial's extra
-    seconds}, {name: [(ttft_s, decode_s)]}, {name: most a trial allocated over the resident, CUDA})."""
-    compile_s, times, transient = {}, {n: [] for n in models}, {}
-    for n, m in models.items():
-        first, second = [run_decode(m, steps[n], prompts[n], new, device_type)[:2] for _ in range(2)]
-        compile_s[n] = sum(first) - sum(second)
-    if after_warm_up is not None:
-        after_warm_up(compile_s)
-    for _ in range(trials):
-        for n, m in models.items():
-            if device_type == 'cuda':
-                torch.cuda.reset_peak_memory_stats()
-                resident = torch.cuda.memory_allocated()
-            times[n].append(run_decode(m, steps[n], prompts[n], new, device_type)[:2])
-            if device_type == 'cuda':
-                transient[n] = max(transient.get(n, 0), torch.cuda.max_memory_allocated() - resident)
-    return compile_s, times, transient
+    then `trials` trials, the variants interleaved (benchkit.interleaved). Returns (compile_s {name: the
+    first trial's extra seconds}, {name: [(ttft_s, decode_s)]}, {name: most a trial allocated over the
+    resident, CUDA})."""
+    def trial(n):
+        return with_peak(lambda: run_decode(models[n], steps[n], prompts[n], new, device_type)[:2], device_type)
+
+    runs = {n: trial(n) for n in models}
+    compile_s = {}
+
+    def warmed_up(warm):
+        compile_s.update({n: sum(w[0][0]) - sum(w[1][0]) for n, w in warm.items()})
+        if after_warm_up is not None:
+            after_warm_up(compile_s)
+
+    _, timed = interleaved(runs, trials, 2, warmed_up)
+    transient = {n: max(t[1] for t in ts) for n, ts in timed.items()} if device_type == 'cuda' else {}
+    return compile_s, {n: [t[0] for t in ts] for n, ts in timed.items()}, transient
 
 
 def memory_bytes(model, batch_size, cache_len):
@@ -307,12 +308,17 @@ def gate_compiled(models, steps, prompts, n_new, dt, device_type, compile_s):
 def main(argv):
     """Run the benchmark; returns the JSON record printed on the last line."""
     cfg = configure(argv, globals(), choices=CHOICES, validate=architecture)
+    flags = {'both': [False, True], 'eager': [False], 'compiled': [True]}[cfg.compile]
+    if cfg.mode == 'train':  # its own batch and context unless given: a decode's batch of 1 trains nothing typical
+        import bench_train  # here: decoding, an inference script's job, never loads train.py (test_inference.py)
+        given = keys_set(argv, defaults_of(globals()), ('batch_size', 'block_size'), CHOICES)
+        vars(cfg).update({k: v for k, v in bench_train.train_shape().items() if k not in given})
+        return bench_train.main(cfg, architecture(vars(cfg)), flags)
     arch, (dev, dt) = architecture(vars(cfg)), resolve_device(cfg.device, cfg.dtype)
     device_type = torch.device(dev).type
     if device_type == 'cuda':
         torch.cuda.set_device(dev)  # sync and memory statistics then refer to this device
     set_tf32(dev, 'float32')  # the gate's forwards: IEEE fp32, whatever ran before in the process
-    flags = {'both': [False, True], 'eager': [False], 'compiled': [True]}[cfg.compile]
     B, P, N = cfg.batch_size, cfg.prompt_len, cfg.new_tokens
     # with --ckpt, every variant takes the checkpoint's shape, whatever --size says
     extra, raw, pairs, about, arch = checkpoint_variants(cfg) if cfg.ckpt else ({}, {}, [], '', arch)
@@ -323,9 +329,10 @@ def main(argv):
     pairs = [('internal_unfused', 'internal_folded'), ('all_taper', 'all_folded')] + pairs
 
     print(f"bench: {'the checkpoint' if cfg.ckpt else cfg.size or 'custom'}'s shape {arch} | {', '.join(models)}")
-    print(f"  device={dev} dtype={dt} tf32={uses_tf32(dev, dt)} torch={torch.__version__} threads="
-          f"{torch.get_num_threads()} | mode=decode batch_size={B} prompt_len={P} new_tokens={N} | trials="
-          f"{cfg.trials} (+2 warm-up) | {' and '.join('compiled' if f else 'eager' for f in flags)}")
+    print(f"  device={dev} dtype={dt} tf32={uses_tf32(dev, dt)} torch={torch.__version__} | mode=decode "
+          f"batch_size={B} prompt_len={P} new_tokens={N} | trials={cfg.trials} (+2 warm-up) | "
+          f"{' and '.join('compiled' if f else 'eager' for f in flags)}")
+    print_conditions(machine := conditions())
     if cfg.trials < 5:
         print(f"  note: {cfg.trials} trial{'s' * (cfg.trials != 1)}; medians of fewer than 5 are noisy")
     if about:
@@ -356,7 +363,7 @@ def main(argv):
     if cfg.profile:
         profile_step(models, steps if flags[-1] else None, prompt, device_type)
     record = {'device': torch.cuda.get_device_name(dev) if device_type == 'cuda' else f'cpu ({os.cpu_count()} cores)',
-              'torch': torch.__version__,
+              'torch': torch.__version__, 'conditions': machine, 'mode': 'decode',
               'config': dict(size=cfg.size, **{k: arch[k] for k in SHAPE}, batch_size=B, prompt_len=P, new_tokens=N,
                              dtype=dt, tf32=tf32, trials=cfg.trials, seed=cfg.seed, mode='decode', compile=cfg.compile,
                              ckpt=cfg.ckpt),

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import bench
+import bench_train
 import fold
 from runs import save_checkpoint
 
@@ -222,3 +223,199 @@ def test_a_raw_linear_phase_checkpoint_is_gated_against_its_tapernorm_form(tmp_p
     assert 'ckpt:raw.pt as trained vs ckpt:raw.pt unfused: max|Δ logit|' in out
     with pytest.raises(SystemExit, match="context is 32 tokens: lower --prompt_len"):
         bench.main(TINY + [f'--ckpt={path}', '--prompt_len=20', '--new_tokens=20'])
+
+
+# ---- --mode=train (bench_train.py) -----------------------------------------------------------
+
+TRAIN = ['--mode=train', '--size=', '--n_layer=1', '--n_embd=16', '--n_head=2', '--vocab_size=64', '--block_size=16',
+         '--batch_size=2', '--trials=2', '--device=cpu']
+PHASES_OF = {'baseline': ['baseline'], 'internal': ['warmup', 'taper', 'linear'],
+             'all': ['warmup', 'taper', 'linear'], 'dyt': ['baseline']}
+GATE_OF = {'baseline': 1.0, 'warmup': 1.0, 'taper': 0.5, 'linear': 0.0}  # the issue's: taper timed at g = 0.5
+VARIANT_OF = {('none', 'rmsnorm'): 'baseline', ('internal', 'rmsnorm'): 'internal', ('all', 'rmsnorm'): 'all',
+              ('none', 'dyt'): 'dyt'}  # (taper, norm) of a model -> the variant it must be
+
+
+def test_train_mode_json_holds_every_variant_phase_and_mode(monkeypatch, capsys):
+    import torch._dynamo
+    torch._dynamo.reset()
+    eager_backend(monkeypatch)  # the compiled path traced by dynamo, without inductor's minutes
+    record = bench.main(TRAIN + ['--compile=both'])
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1]) == record and record['mode'] == 'train'
+    rows = record['train']
+    want = {(v, p, c) for v, ps in PHASES_OF.items() for p in ps for c in (False, True)}
+    assert sorted((r['variant'], r['phase'], r['compiled']) for r in rows) == sorted(want)  # each once
+    for compiled in (False, True):
+        mine = {(r['variant'], r['phase']): r for r in rows if r['compiled'] is compiled}
+        base = mine['baseline', 'baseline']
+        assert base['vs_baseline'] == 1.0
+        for r in mine.values():
+            assert {'ms_per_step', 'tokens_per_s', 'vs_baseline', 'gate', 'peak_mb'} <= set(r)
+            assert r['ms_per_step'] > 0 and r['gate'] == GATE_OF[r['phase']]
+            assert r['vs_baseline'] == pytest.approx(r['ms_per_step'] / base['ms_per_step'], rel=1e-12)
+            assert r['tokens_per_s'] == pytest.approx(2 * 16 * 1000 / r['ms_per_step'])  # batch 2 × 16 tokens a step
+            assert r['peak_mb'] is None  # a CPU
+            assert (r['compile_s'] is not None) is compiled
+    assert set(record['projected_run']) == set(PHASES_OF)
+    assert all(set(modes) == {'eager', 'compiled'} for modes in record['projected_run'].values())
+    assert 'peak MB: not measured' in out
+    assert "a TinyStories run of All-Taper costs" in out
+    torch._dynamo.reset()
+
+
+def test_each_row_times_train_pys_own_step_in_the_phase_it_names(monkeypatch, capsys):
+    """A spy on train.train_step and GPT.calibration_step records the model each timed step trains:
+    its variant (taper, norm, λ), phase, gate and collect mode, in the order the steps ran. The rows'
+    order in the JSON, WARM_UPS warm-up steps each, then the trials interleaved, must name them."""
+    import torch._dynamo
+    import train
+    from model import GPT
+    torch._dynamo.reset()
+    eager_backend(monkeypatch)
+    events, real_step, real_calibration_step = [], train.train_step, GPT.calibration_step
+    lam = {v: train.load_config([f'config/tinystories_{f}.py']).aux_weight
+           for v, f in (('internal', 'internal_taper'), ('all', 'all_taper'))}
+
+    def step(train_model, raw_model, *args, **kwargs):
+        c, compiled = raw_model.config, getattr(train_model, '_orig_mod', None) is raw_model  # runs.compile_model's
+        events.append(dict(variant=VARIANT_OF[c.taper, c.norm], aux_weight=c.aux_weight, phase=raw_model.phase,
+                           gate=raw_model.gate.item(), collect=raw_model.collect, model=id(raw_model),
+                           compiled=compiled and train_model is not raw_model))
+        return real_step(train_model, raw_model, *args, **kwargs)
+
+    def calibration_step(model):
+        events.append(dict(calibration_step=id(model)))
+        return real_calibration_step(model)
+
+    monkeypatch.setattr(train, 'train_step', step)
+    monkeypatch.setattr(GPT, 'calibration_step', calibration_step)
+    trials = 2
+    rows = bench.main(TRAIN + ['--compile=both', f'--trials={trials}'])['train']
+    steps = [e for e in events if 'phase' in e]
+    expected = []
+    for compiled in (False, True):
+        mine = [r for r in rows if r['compiled'] is compiled]
+        expected += [r for r in mine for _ in range(bench_train.WARM_UPS)] + mine * trials  # A A A B B B ... A B A B
+    assert len(steps) == len(expected)
+    models = {}
+    for e, r in zip(steps, expected):
+        assert (e['variant'], e['phase'], e['gate'], e['compiled']) == (r['variant'], r['phase'],
+                                                                         GATE_OF[r['phase']], r['compiled'])
+        assert e['collect'] == ('calibration' if r['phase'] == 'warmup' else None)  # calibration='ema'
+        assert e['aux_weight'] == lam.get(r['variant'], 0.0)
+        assert models.setdefault((r['variant'], r['phase']), e['model']) == e['model']  # one model per row
+    assert len(set(models.values())) == len(models)
+    for k, e in enumerate(events):  # calibration_step after each warmup step, on its model, and nowhere else
+        after = events[k + 1] if k + 1 < len(events) else {}
+        if 'phase' in e:
+            assert after.get('calibration_step') == (e['model'] if e['phase'] == 'warmup' else None)
+    torch._dynamo.reset()
+
+
+def test_the_warm_up_steps_absorb_every_compile(monkeypatch):
+    """No compile or recompile of any row's model during its timed steps (dynamo with a counting backend)."""
+    import torch._dynamo
+    import train
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    counter, counts, real_compile, real_step = CompileCounter(), [], torch.compile, train.train_step
+    monkeypatch.setattr(torch, 'compile', lambda fn, mode=None, **kw: real_compile(fn, backend=counter, **kw))
+
+    def step(*args, **kwargs):
+        stats = real_step(*args, **kwargs)
+        counts.append(counter.frame_count)
+        return stats
+
+    monkeypatch.setattr(train, 'train_step', step)
+    rows = bench.main(TRAIN + ['--compile=compiled', '--trials=3'])['train']
+    warm_ups = len(rows) * bench_train.WARM_UPS
+    assert len(counts) == warm_ups + 3 * len(rows) and counts[0] > 0
+    assert set(counts[warm_ups - 1:]) == {counts[warm_ups - 1]}  # nothing compiled after the warm-ups
+    torch._dynamo.reset()
+
+
+def test_the_projected_run_is_the_schedules_steps_times_the_rows_medians(capsys):
+    record = bench.main(TRAIN + ['--compile=eager', "--schedule=", '--gate_warmup_iters=3', '--taper_iters=5',
+                                 '--max_iters=20'])
+    assert {k: record['config']['schedule'][k] for k in ('gate_warmup_iters', 'taper_iters', 'max_iters')} == \
+        dict(gate_warmup_iters=3, taper_iters=5, max_iters=20)
+    ms = {(r['variant'], r['phase']): r['ms_per_step'] for r in record['train']}
+    base = 20 * ms['baseline', 'baseline']
+    by_hand = {'baseline': 1.0, 'dyt': 20 * ms['dyt', 'baseline'] / base}
+    for v in ('internal', 'all'):  # 3 warmup, 5 taper, 20 − 3 − 5 = 12 linear steps
+        by_hand[v] = (3 * ms[v, 'warmup'] + 5 * ms[v, 'taper'] + 12 * ms[v, 'linear']) / base
+    got = {v: modes['eager'] for v, modes in record['projected_run'].items()}
+    assert got == pytest.approx(by_hand, rel=1e-12)
+    assert got['baseline'] == 1.0
+    out = capsys.readouterr().out
+    assert f"run of All-Taper costs {by_hand['all']:.3f} × the baseline's training time (eager; W=3, T=5" in out
+
+
+def test_the_schedule_is_read_from_train_configs_as_train_py_runs_them():
+    """The default schedule is the All-Taper TinyStories config's, and config/cpu.py overlays it;
+    the reference values come from executing the config files here, not through train.py."""
+    from types import SimpleNamespace
+
+    def executed(*files):
+        ns = {}
+        for f in files:
+            path = str(bench_train.ROOT) + '/' + f
+            ns['__file__'] = path
+            exec(open(path).read(), ns)
+        return {k: ns[k] for k in bench_train.SCHEDULE_KEYS}
+
+    for files in (['config/tinystories_all_taper.py'], ['config/tinystories_all_taper.py', 'config/cpu.py']):
+        cfg = SimpleNamespace(schedule=','.join(files), gate_warmup_iters=0, taper_iters=0, max_iters=0)
+        got = bench_train.schedule(cfg)
+        assert {k: got[k] for k in bench_train.SCHEDULE_KEYS} == executed(*files)
+    assert executed('config/tinystories_all_taper.py') == dict(gate_warmup_iters=500, taper_iters=2500, max_iters=5000)
+    cfg = SimpleNamespace(schedule='config/tinystories_all_taper.py', gate_warmup_iters=0, taper_iters=1000,
+                          max_iters=0)
+    assert bench_train.schedule(cfg)['taper_iters'] == 1000  # a key > 0 overrides the file
+
+
+def test_train_mode_takes_cpu_pys_batch_and_context_unless_given(monkeypatch):
+    shapes = []
+    monkeypatch.setattr(bench_train, 'main',
+                        lambda cfg, arch, flags: shapes.append((cfg.batch_size, arch['block_size'])))
+    base = [a for a in TRAIN if not a.startswith(('--batch_size', '--block_size'))]
+    bench.main(base)
+    bench.main(base + ['--batch_size=1', '--block_size=512'])  # given, even at decode's defaults: kept
+    assert shapes == [(16, 128), (1, 512)]  # config/cpu.py's batch_size and block_size
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--ckpt=x.pt'], 'drop it with --mode=train'),
+    (['--schedule=nowhere.py'], "no file nowhere.py here or in .*--schedule=''"),
+    (["--schedule=", '--gate_warmup_iters=10', '--taper_iters=20', '--max_iters=25'], 'exceeds max_iters=25'),
+    (['--mode=fast'], "choose one of 'decode', 'train'"),
+])
+def test_bad_train_settings_name_the_fix(args, message):
+    with pytest.raises(SystemExit, match=message):
+        bench.main(TRAIN + args)
+
+
+@pytest.mark.parametrize('per_thread, busy', [(0.4, False), (0.6, True)])
+def test_the_header_and_json_state_the_conditions_and_a_busy_machine(monkeypatch, capsys, per_thread, busy):
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(bench.os, 'getloadavg', lambda: (per_thread * threads, 0.1, 0.2))
+    bench.main(TINY)
+    out = capsys.readouterr().out
+    c = json.loads(out.strip().splitlines()[-1])['conditions']
+    assert c['threads'] == threads and c['cpu_capability'] == torch.backends.cpu.get_cpu_capability()
+    assert c['load'] == [round(per_thread * threads, 2), 0.1, 0.2] and c['busy'] is busy and c['cpu']
+    assert f'threads={threads} ' in out and f"isa={c['cpu_capability']}" in out
+    assert ('ratios are unreliable' in out) is busy  # load₁ > 0.5 core per thread in use
+
+
+def test_decode_mode_never_loads_train_py():
+    """bench.py is an inference script (tests/test_inference.py): only --mode=train imports train.py."""
+    import os
+    import subprocess
+    import sys
+    code = "import sys, bench; bench.main(sys.argv[1:]); print('train' in sys.modules)"
+    out = subprocess.run([sys.executable, '-c', code, *TINY], cwd=bench_train.ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == 'False'

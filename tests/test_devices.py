@@ -66,12 +66,13 @@ def test_every_script_sets_up_cuda_with_an_indexed_device(device, stand_in_cuda,
         'sample': lambda: sample.main([f'--ckpt={ckpt}', f'--device={device}']),
         'fold': lambda: fold.main([f'--ckpt={ckpt}', f'--out={tmp_path / "folded.pt"}', f'--device={device}']),
         'bench': lambda: bench.main(TINY[:-1] + [f'--device={device}']),
+        'bench --mode=train': lambda: bench.main(TINY[:-1] + ['--mode=train', f'--device={device}']),
     }
     for name, run in scripts.items():
         stand_in_cuda.clear()
         with pytest.raises(FirstCudaTensor):  # not ValueError: Expected a torch.device with a specified index
             run()
-        if name in ('train', 'bench'):  # they make the device current: synchronize() and NCCL then use it
+        if name in ('train', 'bench', 'bench --mode=train'):  # they make the device current: synchronize() and NCCL then use it
             assert stand_in_cuda == [('set_device', 'cuda:0')], name
     # the study records where each cell ran, resolving the cell's device as train.py does
     record = study.provenance({'wall_s': 1.0}, 1, ['--dataset=toy', f'--device={device}', '--dtype=float32'])

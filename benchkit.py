@@ -1,0 +1,118 @@
+"""
+What bench.py's two modes (decode, train) share, each in one place: random tokens, a TaperNorm model
+calibrated through the model's own path, the device sync, interleaved trials after warm-up calls,
+the peak memory of a call (CUDA), and the conditions a timing ran under (threads, CPU, its kernel
+ISA, the load average) with the rule that calls a machine too busy for a ratio to mean anything.
+
+Busy rule: ratios are unreliable when the 1-minute load average, read as the benchmark starts,
+exceeds half a core per thread in use (load₁ > BUSY_LOAD_PER_THREAD · torch.get_num_threads()).
+The other runnable processes then take cores from torch's threads, and contention inflates every
+small op (a norm's kernels more than a matrix product), so the ratios grow with the noise: the same
+decode bench gave 1.05× on an idle 2-core machine and 1.96× under load (issue 43).
+"""
+
+import os
+import platform
+
+import torch
+
+from model import GPT, GPTConfig
+
+BUSY_LOAD_PER_THREAD = 0.5  # the busy rule's threshold: 1-minute load average per torch thread
+
+
+def random_tokens(vocab_size, shape, seed):
+    """int64 ids (shape) below vocab_size, from a CPU torch.Generator seeded with seed."""
+    return torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def calibrated_model(model_args, seed):
+    """GPT(GPTConfig(**model_args)), a tapered one (taper 'internal' or 'all'), after its calibrate
+    event on random tokens through the model's own path: one forward of 4 random sequences under
+    set_collect('calibration'), then calibrate('end') (c and s_tgt measured, γ̃ ← γ). Its weights
+    come from torch.manual_seed(seed), so a baseline built after the same seed shares its matrices.
+    Left in the warmup phase (set_phase takes it on), collect off, in train mode, on the CPU.
+    Raises ValueError for model_args GPTConfig refuses, RuntimeError for taper='none'."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**model_args))
+    x = random_tokens(model_args['vocab_size'], (4, min(64, model_args['block_size'])), seed + 1)
+    model.set_collect('calibration')
+    model(x, x)  # the calibration statistics of one batch
+    model.set_collect(None)
+    model.calibrate('end')
+    return model
+
+
+def sync(device_type):
+    """Wait for the device's queued work (CUDA, MPS), so that a host clock read after it counts it."""
+    if device_type in ('cuda', 'mps'):
+        getattr(torch, device_type).synchronize()
+
+
+def interleaved(runs, trials, warm_ups, after_warm_up=None):
+    """Call each run of `runs` ({name: run() -> result}) warm_ups times, name after name (the first
+    calls absorb compilation, recompilation and CUDA-graph recording), then after_warm_up(warm) when
+    given, then `trials` rounds that each call every run once, in order (A B C D A B C D ...), so
+    that a drift of the machine hits every run alike. Returns (warm, timed): {name: [results]}."""
+    warm = {n: [run() for _ in range(warm_ups)] for n, run in runs.items()}
+    if after_warm_up is not None:
+        after_warm_up(warm)
+    timed = {n: [] for n in runs}
+    for _ in range(trials):
+        for n, run in runs.items():
+            timed[n].append(run())
+    return warm, timed
+
+
+def with_peak(run, device_type):
+    """run wrapped to return (its result, the most bytes it allocated on top of what was allocated
+    when it started: torch.cuda.max_memory_allocated() − memory_allocated(); None off CUDA, where
+    torch keeps no such statistic)."""
+    if device_type != 'cuda':
+        return lambda: (run(), None)
+
+    def measured():
+        torch.cuda.reset_peak_memory_stats()
+        resident = torch.cuda.memory_allocated()
+        result = run()
+        return result, torch.cuda.max_memory_allocated() - resident
+    return measured
+
+
+def cpu_model():
+    """The CPU's model name: /proc/cpuinfo's first 'model name' (Linux), else platform.processor(),
+    else platform.machine() ('' when none says)."""
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                if line.startswith('model name'):
+                    return line.partition(':')[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def conditions():
+    """The conditions of a timing, read now: {threads: torch.get_num_threads(), cpu: cpu_model(),
+    cpu_capability: the ISA torch's CPU kernels dispatch to (torch.backends.cpu.get_cpu_capability():
+    'AVX512', 'AVX2', 'DEFAULT', ...), load: os.getloadavg()'s 1, 5 and 15-minute averages (None where
+    the OS has none), busy: the busy rule (module docstring) holds (False when load is None)}."""
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):  # Windows has no load average
+        load = None
+    threads = torch.get_num_threads()
+    return dict(threads=threads, cpu=cpu_model(), cpu_capability=torch.backends.cpu.get_cpu_capability(), load=load,
+                busy=load is not None and load[0] > BUSY_LOAD_PER_THREAD * threads)
+
+
+def print_conditions(c):
+    """The header line of conditions() `c`, and when the machine is busy the one line saying that its
+    ratios are unreliable."""
+    load = 'n/a' if c['load'] is None else ' '.join(f'{x:.2f}' for x in c['load'])
+    print(f"  threads={c['threads']} cpu={c['cpu'] or '?'} isa={c['cpu_capability']} "
+          f"load average (1, 5, 15 min)={load}")
+    if c['busy']:
+        print(f"  warning: the machine is busy (1-minute load {c['load'][0]:.2f} > {BUSY_LOAD_PER_THREAD} × "
+              f"{c['threads']} threads): ratios are unreliable; time on an idle machine")
