@@ -710,10 +710,14 @@ class Run:
         is not due, on other ranks, or when a signal cut it short (the class's contract)."""
         if it % self.cfg.eval_interval or not self.env.master:
             return {}
-        if self.progress.batch_s is None:  # the first evaluation: nothing printed yet says how long it takes
-            print(f"evaluating at iteration {it}: val loss over {self.cfg.eval_iters} batches of "
-                  f"{self.cfg.batch_size} × {self.cfg.block_size} tokens", flush=True)
-        val, cut = self.signals.cut_short(f'the evaluation at iteration {it}', estimate,
+
+        def evaluation(first_batch):  # its first line inside cut_short: a signal after it cuts it short
+            if self.progress.batch_s is None:  # the first evaluation: nothing printed yet says how long it takes
+                print(f"evaluating at iteration {it}: val loss over {self.cfg.eval_iters} batches of "
+                      f"{self.cfg.batch_size} × {self.cfg.block_size} tokens", flush=True)
+            return estimate(first_batch)
+
+        val, cut = self.signals.cut_short(f'the evaluation at iteration {it}', evaluation,
                                           functools.partial(self.progress.evaluation_batch, it))
         self.save(it)
         if cut and not self.env.ddp:

@@ -224,3 +224,23 @@ def test_a_second_signal_ends_the_process_at_once_with_its_code_and_the_last_che
     assert proc.stderr.splitlines()[-1] == (f'second {name}: stopped at once, without saving; the run folder keeps '
                                             'its last checkpoint')
     assert checkpoint(tmp_path)['iter_num'] == 0 and not (tmp_path / 'run' / 'ckpt.pt.tmp').exists()
+
+
+def test_the_first_evaluations_line_is_printed_where_a_signal_cuts_it_short(tmp_path, capfd, monkeypatch):
+    """A signal right after "evaluating at iteration 0" (what a user sees before pressing Ctrl-C)
+    cuts that evaluation short, never 'finishes iteration 0' first."""
+    import builtins
+    real = builtins.print
+
+    def send_after_the_line(*args, **kw):
+        real(*args, **kw)
+        if args and str(args[0]).startswith('evaluating at iteration 0'):
+            send(signal.SIGINT)
+
+    run = make_run(tmp_path)
+    monkeypatch.setattr(builtins, 'print', send_after_the_line)
+    with run, pytest.raises(SystemExit) as e:
+        run.evaluate(0, lambda first_batch: pytest.fail('the evaluation went on'))
+    monkeypatch.undo()
+    assert e.value.code == 130
+    assert capfd.readouterr().err.startswith('SIGINT: cutting the evaluation at iteration 0 short')
