@@ -1,6 +1,7 @@
-"""The GPU check's own machinery, on the CPU: .ci/gpu's `step` (its timeouts end every step) and
-each mode's bound against the device tool's 10 minutes."""
+"""The GPU check's own machinery, on the CPU: .ci/gpu's `step` (its timeouts end every step),
+each mode's bound against the device tool's 10 minutes and the environment step's import check."""
 
+import ast
 import os
 import re
 import subprocess
@@ -98,3 +99,50 @@ def test_each_mode_ends_within_ten_minutes_and_docs_give_its_timeouts(mode):
     _, what, at_most = rows[0]
     assert [int(s) for s in re.findall(r'\b(\d+) s\b', what)] == [s for _, s in steps], what
     assert at_most == f'{bound} s |'
+
+
+def third_party_imports(entries):
+    """The top-level names of the modules that the files `entries` import when they load, and the
+    repository's modules they import in turn (module-level statements: what runs on import),
+    leaving out the standard library and torch (the GPU image keeps its own)."""
+    local = {p.stem: p for p in [*ROOT.glob('*.py'), *(ROOT / 'tests').glob('*.py')]}
+    todo, seen, found = list(entries), set(), set()
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for top in {n.split('.')[0] for n in names}:
+                if top in local:
+                    todo.append(local[top])
+                elif top not in sys.stdlib_module_names and top != 'torch':
+                    found.add(top)
+    return found
+
+
+def test_the_environment_step_checks_every_module_the_steps_import():
+    """NEEDS names exactly the modules, besides torch, that the steps' scripts import when they
+    load (a script missing one fails at once on a GPU machine that cannot install it)."""
+    text = GPU.read_text()
+    steps = [line for line in text.splitlines() if re.match(r'\s*(step |cells=)', line)]
+    scripts = sorted({ROOT / m for line in steps for m in re.findall(r'[\w./]+\.py\b', line)})
+    assert {p.relative_to(ROOT).as_posix() for p in scripts} == {
+        'bench.py', '.ci/gpu_train.py', 'tests/test_cuda.py', 'study.py'}
+    entries = [*scripts, ROOT / 'tests' / 'conftest.py']  # pytest loads the tests' conftest first
+    run_as_modules = {m for line in steps for m in re.findall(r'python3 -m (\w+)', line)}  # pytest
+    assert set(gpu_variable('NEEDS').split()) == third_party_imports(entries) | run_as_modules
+    assert {'numpy', 'pytest', 'tqdm'} <= set(gpu_variable('NEEDS').split())
+
+
+def test_missing_imports_names_every_missing_module_on_one_line(tmp_path):
+    proc, _ = gpu_bash('missing_imports; NEEDS="numpy no_such_module_a tqdm no_such_module_b" missing_imports',
+                       tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == '\nno_such_module_a no_such_module_b\n'  # all present here; then the two missing
