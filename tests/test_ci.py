@@ -1,7 +1,9 @@
 """The GPU check's own machinery, on the CPU: .ci/gpu's `step` (its timeouts end every step),
-each mode's bound against the device tool's 10 minutes and the environment step's import check."""
+each mode's bound against the device tool's 10 minutes, the environment step's import check, and
+the compile count .ci/gpu_train.py states for its schedule."""
 
 import ast
+import importlib.util
 import os
 import re
 import subprocess
@@ -10,6 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+
+import train
+from test_train import read_log
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / '.ci' / 'gpu'
@@ -146,3 +152,41 @@ def test_missing_imports_names_every_missing_module_on_one_line(tmp_path):
                        tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == '\nno_such_module_a no_such_module_b\n'  # all present here; then the two missing
+
+
+def load_gpu_train():
+    """.ci/gpu_train.py as a module (its runs start only as a script)."""
+    spec = importlib.util.spec_from_file_location('gpu_train', ROOT / '.ci' / 'gpu_train.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize('taper, versions', [
+    # training in warmup, taper, linear (3); evaluation at iterations 0 (warmup) and 100 (taper:
+    # 40-139) only (2); the calibrate event's 'mismatch' pass ('ema': no 'calibration' pass) (1)
+    ('internal', 6),
+    ('all', 6),
+    ('none', 2),  # training and evaluation of the one baseline phase
+])
+def test_gpu_trains_schedule_compiles_the_versions_it_states(toy_data, tmp_path, monkeypatch, taper, versions):
+    """.ci/gpu_train.py's 200-step run, its own arguments (schedule, default calibration) on the toy
+    data and model, in fp32 on the CPU, counted with dynamo's eager backend."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+    gpu_train = load_gpu_train()
+    aux_weight = dict(gpu_train.KINDS)[taper]
+    argv = gpu_train.run_args(toy_data, tmp_path / 'run', taper, aux_weight, 200)
+    assert not any(a.startswith('--calibration=') for a in argv)  # train.py's default: 'ema'
+    toy = dict(dataset='toy', device='cpu', dtype='float32', compile=True, n_layer=1, n_head=2, n_embd=16,
+               block_size=8, batch_size=2, gradient_accumulation_steps=1, eval_iters=2, dropout=0.0)
+    torch._dynamo.reset()
+    counter, real_compile = CompileCounter(), torch.compile
+    monkeypatch.setattr(torch, 'compile', lambda model, **kw: real_compile(model, backend=counter, **kw))
+    monkeypatch.setattr(train, 'check_compiler', lambda device: None)  # its probe would count too
+    train.main(argv + [f'--{k}={v}' for k, v in toy.items()])  # the last value of a key wins
+    log = read_log(tmp_path / 'run')
+    assert [r['iter'] for r in log if 'val_loss' in r] == [0, 100]
+    assert counter.frame_count == versions == gpu_train.EXPECTED_VERSIONS[taper]
+    assert '6 for a tapered run, 2 for the baseline' in ' '.join(gpu_train.__doc__.split())
+    torch._dynamo.reset()
