@@ -9,6 +9,7 @@ docs/runs.md.
 """
 
 import dataclasses
+import datetime
 import functools
 import json
 import os
@@ -288,10 +289,22 @@ class Progress:
 
 # ---- processes and devices ------------------------------------------------------------------
 
+# How long a DDP rank waits in a collective for the others before the run fails (NCCL's watchdog
+# aborts it; gloo raises). The longest wait by design: while rank 0 alone evaluates (eval_iters
+# batches, the first time after compiling the evaluation's graph) and writes the checkpoint, every
+# other rank waits in the step's gradient all-reduce. At iteration 0 that is a cold compile plus an
+# evaluation, which on a large model can near NCCL's default of 10 minutes; 30 minutes (gloo's
+# default) leaves room, and a longer wait is a hang (a rank died or went its own way). One value
+# for the whole run: torch 2.13 has no public way to change an existing group's timeout (only
+# the private distributed_c10d._set_pg_timeout), so it is not lowered after the first step.
+DDP_TIMEOUT = datetime.timedelta(minutes=30)
+
+
 def setup(cfg):
-    """Devices, DDP (when launched by torchrun), TF32 and autocast: a SimpleNamespace with dev (a
-    CUDA device with its index, made current), dtype, tf32 (configurator.set_tf32), device_type,
-    ddp, rank, local_rank, world, master, autocast, compile."""
+    """Devices, DDP (when launched by torchrun; its process group waits DDP_TIMEOUT in a collective),
+    TF32 and autocast: a SimpleNamespace with dev (a CUDA device with its index, made current),
+    dtype, tf32 (configurator.set_tf32), device_type, ddp, rank, local_rank, world, master,
+    autocast, compile."""
     ddp = int(os.environ.get('RANK', -1)) != -1
     rank, local_rank, world = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
     dev, dt = resolve_device(cfg.device, cfg.dtype, local_rank if ddp else None)
@@ -300,7 +313,7 @@ def setup(cfg):
         torch.cuda.set_device(dev)  # torch.cuda.synchronize() and NCCL then use this device
     if ddp:
         be = ('nccl' if device_type == 'cuda' else 'gloo') if cfg.backend == 'auto' else cfg.backend
-        torch.distributed.init_process_group(backend=be)
+        torch.distributed.init_process_group(backend=be, timeout=DDP_TIMEOUT)
     tf32 = set_tf32(dev, dt)
     autocast = nullcontext() if dt == 'float32' else torch.autocast(device_type=device_type, dtype=torch.bfloat16)
     return SimpleNamespace(dev=dev, dtype=dt, tf32=tf32, device_type=device_type, ddp=ddp, rank=rank,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from test_runs import read_lines, wait_for_line
-from test_train import read_log, toy_args
+from test_train import flat, read_log, toy_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,21 +71,41 @@ def test_two_process_gloo_run_agrees_on_c(toy_data, tmp_path):
 
 
 @pytest.mark.skipif(not localhost_works(), reason='cannot open a TCP connection to localhost: no loopback networking')
-def test_a_compiled_two_process_run_keeps_the_ranks_identical(toy_data, tmp_path):
+@pytest.mark.parametrize('backend, n_embd, pieces', [
+    # the toy model's gradients fill one DDP bucket: a graph per version of the forward
+    ('eager', 32, [7, 5]),
+    # 0.41M parameters, 1.55 MiB of gradients: DDP's first bucket (1 MiB) and a second, so DDPOptimizer
+    # splits each of the 3 training versions in two pieces, each compiled through AOT autograd
+    ('aot_eager', 128, [10, 8]),
+])
+def test_a_compiled_two_process_run_keeps_the_ranks_identical(toy_data, tmp_path, backend, n_embd, pieces):
     """DDP of the compiled model (runs.wrap_ddp): dynamo's DDPOptimizer runs inside DDP's forward; the
-    replicas stay identical and each version of the forward compiles once on each rank."""
-    out = tmp_path / 'ddp'
-    worker = os.path.join(os.path.dirname(__file__), 'ddp_worker.py')
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', worker,
-           *toy_args(toy_data, out, backend='gloo', max_iters=10, gate_warmup_iters=3, taper_iters=4,
-                     eval_interval=5, compile=True, dropout=0.0)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS='1'))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = [json.loads((out / f'rank{r}.json').read_text()) for r in (0, 1)]
+    replicas stay identical, each version of the forward compiles once on each rank, and the run
+    computes what the uncompiled one does (the same log, the same final weights). 'aot_eager' takes
+    the path inductor takes on a GPU (AOT autograd, functionalization) through DDP's graph split."""
+    torchrun = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                os.path.join(os.path.dirname(__file__), 'ddp_worker.py')]
+    env = dict(os.environ, OMP_NUM_THREADS='1', DDP_WORKER_BACKEND=backend)
+    runs = {}
+    for compiled in (True, False):
+        out = tmp_path / ('compiled' if compiled else 'uncompiled')
+        args = toy_args(toy_data, out, backend='gloo', max_iters=10, gate_warmup_iters=3, taper_iters=4,
+                        eval_interval=5, compile=compiled, dropout=0.0, n_embd=n_embd)
+        proc = subprocess.run([*torchrun, *args], capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[compiled] = [json.loads((out / f'rank{r}.json').read_text()) for r in (0, 1)], read_log(out)
+    ranks, log = runs[True]
     assert ranks[0]['phase'] == 'linear' and ranks[0]['state'] == ranks[1]['state']
     # a version of the forward per phase in training (3) and in the calibrate event (2), each compiled
     # once; rank 0 also evaluates (warmup, taper): far below the recompile limit
-    assert [r['compiled_graphs'] for r in ranks] == [7, 5]
+    assert [r['versions'] for r in ranks] == [7, 5]
+    assert [r['compiled_graphs'] for r in ranks] == pieces  # the backend's calls, one per piece
+    (want_ranks, want_log) = runs[False]
+    assert ranks[0]['state'] == pytest.approx(want_ranks[0]['state'], rel=1e-5, abs=1e-6)
+    got, want = [flat(r) for r in log], [flat(r) for r in want_log]
+    assert [r.keys() for r in got] == [r.keys() for r in want]
+    for a, b in zip(got, want):
+        assert a == {k: pytest.approx(v, rel=1e-5, abs=1e-7) if isinstance(v, float) else v for k, v in b.items()}
 
 
 def free_port():

@@ -3,6 +3,7 @@ check their device arguments the way torch does, and each script runs up to its 
 The CUDA branches are otherwise skipped here (tests/test_cuda.py needs a GPU); this is where an
 index-less device passed to a torch.cuda call, or TF32 left on for float32, shows on a CPU."""
 
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -117,6 +118,18 @@ def test_tf32_follows_the_dtype(dtype, tf32, stand_in_cuda):
         assert env.tf32 is tf32
         assert torch.backends.cuda.matmul.allow_tf32 is tf32 and torch.backends.cudnn.allow_tf32 is tf32
     assert setup(SimpleNamespace(**{**vars(cfg), 'device': 'cpu'})).tf32 is False  # no TF32 on a CPU
+
+
+@pytest.mark.parametrize('device, backend', [('cuda', 'nccl'), ('cpu', 'gloo')])
+def test_a_ddp_process_group_waits_30_minutes_in_a_collective(device, backend, stand_in_cuda, monkeypatch):
+    """NCCL's default is 10 minutes, which rank 0's first evaluation after a cold compile can near
+    while the other ranks wait in the first all-reduce: the group is made with 30 (runs.DDP_TIMEOUT)."""
+    calls = []
+    monkeypatch.setattr(torch.distributed, 'init_process_group', lambda *a, **kw: calls.append((a, kw)))
+    for key, value in dict(RANK='0', LOCAL_RANK='0', WORLD_SIZE='2').items():  # as torchrun starts a rank
+        monkeypatch.setenv(key, value)
+    env = setup(SimpleNamespace(device=device, dtype='float32', backend='auto', compile='auto'))
+    assert env.ddp and calls == [((), {'backend': backend, 'timeout': timedelta(minutes=30)})]
 
 
 def test_the_warmup_ema_update_is_a_few_ops_for_the_whole_model():

@@ -551,6 +551,18 @@ def test_a_training_step_reads_the_device_once(toy_data, tmp_path, taper):
     assert torch.equal(x, train.train_batch(str(toy_data / 'toy'), cfg, env, 2, 0)[0])
 
 
+def flat(record, prefix=''):
+    """A log record's fields as {'key' or 'key.sub': value}, the timings left out (they vary)."""
+    out = {}
+    for k, v in record.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f'{prefix}{k}.'))
+        elif k not in ('step_ms', 'tokens_per_s'):
+            out[prefix + k] = v
+    return out
+
+
+@pytest.mark.parametrize('backend', ['eager', 'aot_eager'])
 @pytest.mark.parametrize('variant, expected', [
     # warmup, taper, linear: training and evaluation each (6), and the calibrate event's two
     # collect modes in evaluation ('calibration', 'mismatch')
@@ -563,13 +575,17 @@ def test_a_training_step_reads_the_device_once(toy_data, tmp_path, taper):
           max_iters=20, lr_decay_iters=20), 10),
 ])
 def test_a_compiled_run_compiles_each_version_of_the_forward_once_and_stays_compiled(
-        toy_data, tmp_path, monkeypatch, variant, expected):
-    # dynamo's own count (CompileCounter), validation and calibration passes included; the default
-    # recompile limit (8) would have left FakeLN's last versions running uncompiled
+        toy_data, tmp_path, monkeypatch, variant, expected, backend):
+    """dynamo's own count (CompileCounter), validation and calibration passes included; the default
+    recompile limit (8) would have left FakeLN's last versions running uncompiled. With dynamo's
+    'eager' backend (the graphs as dynamo captures them) and 'aot_eager' (through AOT autograd and
+    functionalization, the path inductor takes on a GPU: the calibration statistics' in-place
+    updates inside the forward, RadialCos's backward), the run computes what the uncompiled one
+    does: the same log (losses, radial_cos, the calibrate and FakeLN events) and final weights."""
     import torch._dynamo
-    from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.testing import CompileCounterWithBackend
     torch._dynamo.reset()
-    counter, real_compile = CompileCounter(), torch.compile
+    counter, real_compile = CompileCounterWithBackend(backend), torch.compile
     monkeypatch.setattr(torch, 'compile', lambda model, **kw: real_compile(model, backend=counter, **kw))
     monkeypatch.setattr(train, 'check_compiler', lambda device: None)  # its probe would count too
     # the first estimate times an evaluation batch that compiles nothing: the second
@@ -578,8 +594,15 @@ def test_a_compiled_run_compiles_each_version_of_the_forward_once_and_stays_comp
                         real_get_batch(folder, split, *a))
     monkeypatch.setattr(runs.Progress, 'evaluation_batch', lambda self, it, s: events.append('timed') or
                         real_timed(self, it, s))
-    train.main(toy_args(toy_data, tmp_path / 'run', compile=True, dropout=0.0, **variant))
+    compiled = train.main(toy_args(toy_data, tmp_path / 'run', compile=True, dropout=0.0, **variant))
     assert events[:3] == ['val', 'val', 'timed']
     assert counter.frame_count == expected
     assert expected <= runs.RECOMPILE_LIMIT
+    uncompiled = train.main(toy_args(toy_data, tmp_path / 'uncompiled', compile=False, dropout=0.0, **variant))
+    got, want = ([flat(r) for r in read_log(tmp_path / out)] for out in ('run', 'uncompiled'))
+    assert [r.keys() for r in got] == [r.keys() for r in want]
+    for a, b in zip(got, want):
+        assert a == {k: pytest.approx(v, rel=1e-5, abs=1e-7) if isinstance(v, float) else v for k, v in b.items()}
+    for name, tensor in uncompiled.state_dict().items():
+        torch.testing.assert_close(compiled.state_dict()[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
     torch._dynamo.reset()
