@@ -125,9 +125,12 @@ def third_party_imports(entries):
                 names = [node.module]
             else:
                 continue
-            for top in {n.split('.')[0] for n in names}:
+            for name in names:
+                top, file = name.split('.')[0], ROOT.joinpath(*name.split('.')).with_suffix('.py')
                 if top in local:
                     todo.append(local[top])
+                elif (ROOT / top).is_dir():  # a package of the repository (data.common): follow its module
+                    todo.extend([file] if file.is_file() else [])
                 elif top not in sys.stdlib_module_names and top != 'torch':
                     found.add(top)
     return found
