@@ -98,6 +98,7 @@ VARIANTS7 = {  # every cell names its calibration ('end' where nothing tapers: t
     'dyt_noemb': DYT7 + ['--dyt_embed_scale=False'],  # without it: the ablation
     'all_ema': VARIANTS['all'] + ['--calibration=ema'],                                   # part 4's block 5
     'dyt_a2': DYT7 + ['--dyt_embed_scale=True', '--dyt_alpha0_scale=2'],  # twice the DyT paper's α₀: part 4's block 6
+    'derf': ['--norm=derf', '--taper=none', '--aux_weight=0.0', '--calibration=end', '--dyt_embed_scale=True'],  # part 5
 }
 BUDGETS = {'3M': 1500, '9M': 4500, '18M': 9000}  # optimizer steps of 2,048 tokens: 3.07M, 9.22M, 18.4M tokens
 
@@ -219,6 +220,11 @@ RUNG_LRS = {('3M', '3M'): (2e-3, 4e-3, 8e-3, 1.6e-2), ('3M', '9M'): (2e-3, 4e-3,
 RUNG_BEST = {('3M', '3M'): {'baseline': 4e-3, 'internal_ema': 4e-3}}
 
 
+# part 5: Derf (baselines.Derf) at the long points, seed 1, on DyT's grids (DYT_LRS: its best rate is
+# DyT's neighbour or the grid's edge moves it); seeds 2 and 3 follow at its best rate
+DERF_LRS = DYT_LRS
+
+
 def rung_seeds(best):
     """{cell name: train.py arguments} of seeds 2 and 3 of each variant at its best rate at each
     point of best ({(size, budget): {variant: lr}})."""
@@ -278,7 +284,8 @@ MATRICES = {
                   for n, a in ladder_cells(('baseline', 'internal'), size, budget, LADDER_LRS[size, budget]).items()},
                **ladder_blocks(LADDER_BEST), **ema_grid(LADDER_BEST), **part4_blocks(LADDER_BEST, EMA_BEST, DYT_BEST),
                **{n: a for p in RUNG_POINTS for n, a in ladder_cells(('baseline', 'internal_ema'), *p, RUNG_LRS[p]).items()},
-               **rung_seeds(RUNG_BEST)},
+               **rung_seeds(RUNG_BEST),
+               **{n: a for p in LONG_POINTS for n, a in ladder_cells(('derf',), *p, DERF_LRS[p]).items()}},
     # a two-cell matrix of a few seconds on the toy data of the tests
     'tiny': {f'{v}-end-s1': ['--dataset=toy', '--device=cpu', '--n_layer=1', '--n_head=1', '--n_embd=16',
                              '--block_size=16', '--batch_size=2', '--gradient_accumulation_steps=1',
@@ -799,7 +806,8 @@ def ladder_table(cells, args):
 # with three seeds at both long points; and the paper's TinyStories band (% above the RMSNorm
 # baseline, 1M-30M parameters: method.md §6), where it reports one
 SUMMARY_VARIANTS = (('baseline (RMSNorm)', ('baseline',)), ('Internal-Taper', ('internal_ema',)),
-                    ('Internal-Taper', ('internal',)), ('All-Taper', ('all_ema', 'all')), ('DyT', ('dyt',)))
+                    ('Internal-Taper', ('internal',)), ('All-Taper', ('all_ema', 'all')), ('DyT', ('dyt',)),
+                    ('Derf', ('derf',)))
 PAPER_BAND = {'Internal-Taper': (0.7, 1.5), 'All-Taper': (0.8, 1.8)}
 
 

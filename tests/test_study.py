@@ -286,8 +286,8 @@ def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_o
             'all': ('all', 0.1, 'rmsnorm', 'end', 'absolute'), 'internal_ema': ('internal', 0.1, 'rmsnorm', 'ema', 'absolute'),
             'internal_rel': ('internal', 0.1, 'rmsnorm', 'end', 'relative'), 'dyt': ('none', 0.0, 'dyt', 'end', 'absolute'),
             'dyt_noemb': ('none', 0.0, 'dyt', 'end', 'absolute'), 'all_ema': ('all', 0.1, 'rmsnorm', 'ema', 'absolute'),
-            'dyt_a2': ('none', 0.0, 'dyt', 'end', 'absolute')}[v]
-        assert cfg['dyt_embed_scale'] == (v != 'dyt_noemb'), name  # DyT's embedding scalar: named in each DyT cell
+            'dyt_a2': ('none', 0.0, 'dyt', 'end', 'absolute'), 'derf': ('none', 0.0, 'derf', 'end', 'absolute')}[v]
+        assert cfg['dyt_embed_scale'] == (v != 'dyt_noemb'), name  # the embedding scalar: named in each DyT, Derf cell
         assert cfg['dyt_alpha0_scale'] == (2.0 if v == 'dyt_a2' else 1.0), name
     # block 7, the 3M rung: two variants at 2e-3-1.6e-2 (3M tokens) and 2e-3-8e-3 (9M), seed 1; part 5's seeds
     # 2 and 3 at 3M tokens at both variants' best 4e-3; nothing else
@@ -805,3 +805,10 @@ def test_the_gap_plot_draws_each_gap_with_its_95_interval_against_tokens_per_non
     assert not dyt.lines[2] and dyt.lines[0].get_markerfacecolor() == 'white'  # one seed: hollow, no interval
     assert any('one seed' in t.get_text() for t in ax.texts) and ax.get_xscale() == 'log'
     plt.close('all')
+
+
+def test_part_5s_derf_cells_run_on_dyts_grids_at_the_long_points():
+    derf = {n for n in study.MATRICES['ladder'] if n.startswith('derf-')}
+    assert derf == {f'derf-{size}-t{budget}-lr{lr:g}-s1' for (size, budget), lrs in study.DYT_LRS.items() for lr in lrs}
+    assert study.cell_config(study.MATRICES['ladder']['derf-1M-t9M-lr0.004-s1'])['norm'] == 'derf'
+
