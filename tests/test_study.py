@@ -786,21 +786,21 @@ def test_the_gap_plot_draws_each_gap_with_its_95_interval_against_tokens_per_non
     plot.main([f'--gap={tmp_path / "results.json"}', f'--out={tmp_path / "g.png"}'])
     ax = plt.gcf().axes[0]
     handles, labels = ax.get_legend_handles_labels()
-    assert labels[1:] == ['internal_ema, 1M model', 'dyt, 0.4M model']
+    assert labels[1:] == ['Internal-Taper, ema, 1M model', 'DyT, 0.4M model']  # as README's table names them
     # non-embedding parameters by hand: per block 12 d² (attention 4 d², MLP 8 d²) + 9 d (the linear layers'
     # biases) + 2 d (ln_1, ln_2's γ), eight blocks, and ln_f's γ
     per_param = {d: 8 * (12 * d * d + 11 * d) + d for d in (32, 64)}
     tokens = 1500 * 16 * 128
     ema = handles[1]
     x, = ema.lines[0].get_xdata()
-    assert x / plot.side_by_side(plot.GAP_VARIANTS.index('internal_ema')) == pytest.approx(tokens / per_param[64])
+    assert x / plot.side_by_side(plot.GAP_ORDER.index('internal_ema')) == pytest.approx(tokens / per_param[64])
     gaps = np.array([100 * (4.7 / 4.8 - 1), 100 * (4.85 / 4.9 - 1)])
     y, = ema.lines[0].get_ydata()
     assert y == pytest.approx(gaps.mean())
     (lo, hi), = [seg[:, 1] for seg in ema.lines[2][0].get_segments()]
     assert (hi - lo) / 2 == pytest.approx(12.7062047 * gaps.std(ddof=1) / np.sqrt(2), rel=1e-6)  # t(0.975, 1 df)
     dyt = handles[2]
-    assert dyt.lines[0].get_xdata()[0] / plot.side_by_side(plot.GAP_VARIANTS.index('dyt')) == \
+    assert dyt.lines[0].get_xdata()[0] / plot.side_by_side(plot.GAP_ORDER.index('dyt')) == \
         pytest.approx(tokens / per_param[32])
     assert not dyt.lines[2] and dyt.lines[0].get_markerfacecolor() == 'white'  # one seed: hollow, no interval
     assert any('one seed' in t.get_text() for t in ax.texts) and ax.get_xscale() == 'log'
@@ -812,3 +812,14 @@ def test_part_5s_derf_cells_run_on_dyts_grids_at_the_long_points():
     assert derf == {f'derf-{size}-t{budget}-lr{lr:g}-s1' for (size, budget), lrs in study.DYT_LRS.items() for lr in lrs}
     assert study.cell_config(study.MATRICES['ladder']['derf-1M-t9M-lr0.004-s1'])['norm'] == 'derf'
 
+
+
+def test_part_5s_warmup_cells_differ_from_the_ladders_only_in_the_gate_warmup():
+    """The W = 25 % cells: both calibrations at (1M, 9M), 8e-3, seed 1, W = 4500 // 4 = 1125 steps (T and the
+    rest as the ladder's: 2250 taper steps, linear from step 3375), and nothing else changed."""
+    ladder = study.MATRICES['ladder']
+    for v in ('internal', 'internal_ema'):
+        mine, theirs = (study.cell_config(ladder[f'{name}-1M-t9M-lr0.008-s1']) for name in (f'{v}_w25', v))
+        assert (mine['gate_warmup_iters'], mine['taper_iters'], theirs['gate_warmup_iters']) == (1125, 2250, 450)
+        assert {k for k in mine if mine[k] != theirs[k]} == {'gate_warmup_iters'}
+    assert {n for n in ladder if '_w25-' in n} == {'internal_w25-1M-t9M-lr0.008-s1', 'internal_ema_w25-1M-t9M-lr0.008-s1'}
