@@ -96,18 +96,22 @@ def pretrained_args(name_or_folder, overrides=None):
     return args
 
 
+# what an export refusal calls each norm GPT-2 has not (model.NORMS)
+NORM_NAMES = {'rmsnorm': 'RMSNorm', 'dyt': 'DyT (tanh, no per-token statistic)', 'derf': 'Derf (erf, no per-token statistic)'}
+
+
 @torch.no_grad()
 def export_gpt2(model, folder):
     """Write a model that still normalizes (a baseline, or a TaperNorm model in its gate warmup, or
     FakeLN before its first removal) as a transformers GPT-2 folder (save_pretrained: config.json
     and the weights), the inverse of from_pretrained: loading the folder gives the same logits.
     Conv1D weights are stored transposed; a model without biases gets zero biases. Raises
-    PretrainedError for a model GPT-2 cannot express: RMSNorm, folded, tapered (taper or linear
-    phase), or FakeLN after a removal."""
+    PretrainedError for a model GPT-2 cannot express: RMSNorm, DyT or Derf, folded, tapered (taper
+    or linear phase), or FakeLN after a removal."""
     c = model.config
     stage = int(model.fakeln_stage) if c.norm_removal == 'fakeln' else 0
     refusals = [
-        (c.norm != 'layernorm', "its norms are RMSNorm; GPT-2 normalizes with LayerNorm"),
+        (c.norm != 'layernorm', f"its norms are {NORM_NAMES.get(c.norm, c.norm)}; GPT-2 normalizes with LayerNorm"),
         (c.folded, "it is folded: its norms were merged into the next weights"),
         (model.phase in ('taper', 'linear'),
          f"it is in the {model.phase} phase (g = {model.gate.item():.4g}): its tapered norms no longer normalize"),

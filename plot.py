@@ -154,7 +154,10 @@ def ladder_plot(plt, results_path, out, title):
     print(f"wrote {out}")
 
 
-GAP_VARIANTS = ('internal_ema', 'all_ema', 'dyt', 'derf')  # the gap figure's: TaperNorm's default calibration, the norm-free baselines
+# the gap figure's variants (TaperNorm with its default calibration, the norm-free baselines), named
+# as README's summary table names them
+GAP_VARIANTS = {'internal_ema': 'Internal-Taper, ema', 'all_ema': 'All-Taper, ema', 'dyt': 'DyT', 'derf': 'Derf'}
+GAP_ORDER = list(GAP_VARIANTS)
 
 
 def side_by_side(k):
@@ -188,11 +191,11 @@ def gap_plot(plt, results_path, out, title):
     ax.axhline(0, color='0.4', lw=0.8)
     sizes = sorted({s for s, _ in lines}, key=lambda s: float(s[:-1]))
     per_param = {size: non_embedding_params(size) for size in sizes}
-    for (size, v), points in sorted(lines.items(), key=lambda kv: (GAP_VARIANTS.index(kv[0][1]) if kv[0][1] in
+    for (size, v), points in sorted(lines.items(), key=lambda kv: (GAP_ORDER.index(kv[0][1]) if kv[0][1] in
                                                                    GAP_VARIANTS else -1, sizes.index(kv[0][0]))):
         if v not in GAP_VARIANTS:
             continue
-        (marker, ls), k = size_style(size, sizes), GAP_VARIANTS.index(v)
+        (marker, ls), k = size_style(size, sizes), GAP_ORDER.index(v)
         dodge = side_by_side(k)
         xs, ys = [], []
         for tokens, gaps, _, _ in sorted(points):
@@ -202,12 +205,12 @@ def gap_plot(plt, results_path, out, title):
             ys.append(m)
             ax.errorbar(xs[-1:], ys[-1:], yerr=None if one else [[m - lo], [hi - m]], marker=marker, ms=7, capsize=3,
                         color=f'C{k}', mfc='white' if one else f'C{k}', ls='none',
-                        label=None if len(xs) > 1 else f'{v}, {size} model')
+                        label=None if len(xs) > 1 else f'{GAP_VARIANTS[v]}, {size} model')
         ax.plot(xs, ys, color=f'C{k}', ls=ls, lw=0.8, alpha=0.6)  # one size's budgets
     if any(len(p[1]) == 1 for (_, v), points in lines.items() if v in GAP_VARIANTS for p in points):
         ax.text(0.01, 0.01, 'hollow: one seed, no interval', transform=ax.transAxes, fontsize=8, color='0.3')
     ax.set_xscale('log')
-    ax.set_xlabel('tokens seen per non-embedding parameter (a point\'s variants side by side)')
+    ax.set_xlabel('tokens seen per non-embedding parameter (log axis; the variants of one budget drawn slightly apart)')
     ax.set_ylabel('final val loss vs RMSNorm baseline, paired by seed (%; bars: 95 % interval)')
     ax.set_title(title or 'The gap against the budget per parameter (mix7, read once)', fontsize=10)
     ax.grid(alpha=0.3)

@@ -250,6 +250,8 @@ def fakeln_model(events, kind='layernorm', seed=0, steps_per_event=2):
 def test_export_refuses_what_gpt2_cannot_express(tmp_path):
     shape = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=50, block_size=16)
     cases = [(GPT(GPTConfig(**shape)), "its norms are RMSNorm"),
+             (GPT(GPTConfig(**shape, norm='dyt', taper='none')), r"its norms are DyT \(tanh"),
+             (GPT(GPTConfig(**shape, norm='derf', taper='none')), r"its norms are Derf \(erf"),
              (linear_phase_taper(), r"it is in the linear phase \(g = 0\)"),
              (fold.fold_model(linear_phase_taper()), "it is folded"),
              (fakeln_model(1), "FakeLN has removed ln_2")]
