@@ -23,7 +23,7 @@ equal up to a near-tie). TF32 is on only for bf16 (configurator.set_tf32; the JS
 
 Timing (model.py's decode path, as in GPT.generate): a prefill of --prompt_len tokens (time to first
 token, TTFT), then --new_tokens decode steps; medians of --trials trials after two warm-up trials (the
-first one's extra time is the compile time), the variants interleaved (A B C D A B C D ...). A decode
+first one's extra time is the compile time), the variants interleaved (A B C D, B C D A, ...). A decode
 step decodes one token of every sequence: ms/step = decode time / new_tokens, tokens/s = batch_size ·
 new_tokens / decode time (aggregate), tokens/s/seq = tokens/s / batch_size. GB/s: the bytes a decode
 step reads (weights, the LM head once, batch_size embedding rows, the whole KV cache) / step time.

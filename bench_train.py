@@ -8,7 +8,10 @@ norm, ...) is the shipped config's, read by train.py's own load_config:
     internal   Internal-Taper, that config's λ  config/tinystories_internal_taper.py
     all        All-Taper + L_aux                config/tinystories_all_taper.py
     dyt        DyT (norm='dyt'): point-wise, no per-token statistic; the baseline config with --norm=dyt
-baseline and dyt have one phase ('baseline'); internal and all have three, each timed on a model of
+    control    the baseline again, on a model and optimizer of its own with the baseline's initial
+               weights (an A/A row): its × baseline is how far two identical rows differ here, the
+               resolution every other ratio has
+baseline, dyt and control have one phase ('baseline'); internal and all have three, each timed on a model of
 its own put into it as train.main does (set_phase, set_collect, set_gate): warmup at g = 1 with the
 config's calibration ('ema': statistics collected in the forward, and raw_model.calibration_step()
 after the step, inside the timing), taper at g = 0.5 and linear at g = 0, after the calibrate event
@@ -47,8 +50,10 @@ from runs import compile_model, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 VARIANT_CONFIGS = {'baseline': ['config/tinystories_baseline.py'], 'internal': ['config/tinystories_internal_taper.py'],
-                   'all': ['config/tinystories_all_taper.py'], 'dyt': ['config/tinystories_baseline.py', '--norm=dyt']}
-NAMES = {'baseline': 'the baseline', 'internal': 'Internal-Taper', 'all': 'All-Taper', 'dyt': 'DyT'}
+                   'all': ['config/tinystories_all_taper.py'], 'dyt': ['config/tinystories_baseline.py', '--norm=dyt'],
+                   'control': ['config/tinystories_baseline.py']}
+NAMES = {'baseline': 'the baseline', 'internal': 'Internal-Taper', 'all': 'All-Taper', 'dyt': 'DyT',
+         'control': 'the control (the baseline again)'}
 DATASETS = {'tinystories': 'TinyStories'}  # how the projection line names a config's dataset
 GATES = {'baseline': 1.0, 'warmup': 1.0, 'taper': 0.5, 'linear': 0.0}  # g of each phase's timed steps
 # untimed steps per row and mode: compiled, the first compiles the forward and the backward (in the

@@ -53,15 +53,16 @@ def sync(device_type):
 def interleaved(runs, trials, warm_ups, after_warm_up=None):
     """Call each run of `runs` ({name: run() -> result}) warm_ups times, name after name (the first
     calls absorb compilation, recompilation and CUDA-graph recording), then after_warm_up(warm) when
-    given, then `trials` rounds that each call every run once, in order (A B C D A B C D ...), so
-    that a drift of the machine hits every run alike. Returns (warm, timed): {name: [results]}."""
+    given, then `trials` rounds that each call every run once, so that a drift of the machine hits
+    every run alike; round k starts at the k-th run (A B C D, B C D A, C D A B, ...), so that no run
+    always follows the same one or comes first. Returns (warm, timed): {name: [results]}."""
     warm = {n: [run() for _ in range(warm_ups)] for n, run in runs.items()}
     if after_warm_up is not None:
         after_warm_up(warm)
-    timed = {n: [] for n in runs}
-    for _ in range(trials):
-        for n, run in runs.items():
-            timed[n].append(run())
+    names, timed = list(runs), {n: [] for n in runs}
+    for k in range(trials):
+        for n in names[k % len(names):] + names[:k % len(names)]:
+            timed[n].append(runs[n]())
     return warm, timed
 
 

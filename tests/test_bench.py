@@ -230,10 +230,11 @@ def test_a_raw_linear_phase_checkpoint_is_gated_against_its_tapernorm_form(tmp_p
 TRAIN = ['--mode=train', '--size=', '--n_layer=1', '--n_embd=16', '--n_head=2', '--vocab_size=64', '--block_size=16',
          '--batch_size=2', '--trials=2', '--device=cpu']
 PHASES_OF = {'baseline': ['baseline'], 'internal': ['warmup', 'taper', 'linear'],
-             'all': ['warmup', 'taper', 'linear'], 'dyt': ['baseline']}
+             'all': ['warmup', 'taper', 'linear'], 'dyt': ['baseline'], 'control': ['baseline']}
 GATE_OF = {'baseline': 1.0, 'warmup': 1.0, 'taper': 0.5, 'linear': 0.0}  # the issue's: taper timed at g = 0.5
 VARIANT_OF = {('none', 'rmsnorm'): 'baseline', ('internal', 'rmsnorm'): 'internal', ('all', 'rmsnorm'): 'all',
               ('none', 'dyt'): 'dyt'}  # (taper, norm) of a model -> the variant it must be
+SAME_AS = {'control': 'baseline'}  # the A/A row: the baseline's config on a model of its own
 
 
 def test_train_mode_json_holds_every_variant_phase_and_mode(monkeypatch, capsys):
@@ -296,12 +297,13 @@ def test_each_row_times_train_pys_own_step_in_the_phase_it_names(monkeypatch, ca
     expected = []
     for compiled in (False, True):
         mine = [r for r in rows if r['compiled'] is compiled]
-        expected += [r for r in mine for _ in range(bench_train.WARM_UPS)] + mine * trials  # A A A B B B ... A B A B
+        rounds = [mine[(j + k) % len(mine)] for k in range(trials) for j in range(len(mine))]  # A B C, B C A, ...
+        expected += [r for r in mine for _ in range(bench_train.WARM_UPS)] + rounds  # A A A B B B ..., then rounds
     assert len(steps) == len(expected)
     models = {}
     for e, r in zip(steps, expected):
-        assert (e['variant'], e['phase'], e['gate'], e['compiled']) == (r['variant'], r['phase'],
-                                                                         GATE_OF[r['phase']], r['compiled'])
+        assert (e['variant'], e['phase'], e['gate'], e['compiled']) == (SAME_AS.get(r['variant'], r['variant']),
+                                                                         r['phase'], GATE_OF[r['phase']], r['compiled'])
         assert e['collect'] == ('calibration' if r['phase'] == 'warmup' else None)  # calibration='ema'
         assert e['aux_weight'] == lam.get(r['variant'], 0.0)
         assert models.setdefault((r['variant'], r['phase']), e['model']) == e['model']  # one model per row
@@ -311,6 +313,21 @@ def test_each_row_times_train_pys_own_step_in_the_phase_it_names(monkeypatch, ca
         if 'phase' in e:
             assert after.get('calibration_step') == (e['model'] if e['phase'] == 'warmup' else None)
     torch._dynamo.reset()
+
+
+def test_the_control_row_is_the_baselines_model_again_with_its_own_state():
+    """The A/A row: the baseline's configuration and initial weights, but its own tensors and optimizer,
+    so that its ratio measures only the noise between two identical rows."""
+    from types import SimpleNamespace
+    rows = {r.variant: r for r in bench_train.build_rows(dict(n_layer=1, n_embd=16, n_head=2, vocab_size=64,
+                                                                block_size=16), 1337, SimpleNamespace(dev='cpu',
+                                                                                                      device_type='cpu'))}
+    base, control = rows['baseline'], rows['control']
+    assert (control.phase, control.model.config) == (base.phase, base.model.config)
+    theirs, mine = base.model.state_dict(), control.model.state_dict()
+    assert theirs.keys() == mine.keys() and all(torch.equal(theirs[k], mine[k]) for k in theirs)
+    assert all(p is not q for p, q in zip(base.model.parameters(), control.model.parameters()))
+    assert control.optimizer is not base.optimizer
 
 
 def test_the_warm_up_steps_absorb_every_compile(monkeypatch):
@@ -342,7 +359,7 @@ def test_the_projected_run_is_the_schedules_steps_times_the_rows_medians(capsys)
         dict(gate_warmup_iters=3, taper_iters=5, max_iters=20)
     ms = {(r['variant'], r['phase']): r['ms_per_step'] for r in record['train']}
     base = 20 * ms['baseline', 'baseline']
-    by_hand = {'baseline': 1.0, 'dyt': 20 * ms['dyt', 'baseline'] / base}
+    by_hand = {'baseline': 1.0, 'dyt': 20 * ms['dyt', 'baseline'] / base, 'control': 20 * ms['control', 'baseline'] / base}
     for v in ('internal', 'all'):  # 3 warmup, 5 taper, 20 − 3 − 5 = 12 linear steps
         by_hand[v] = (3 * ms[v, 'warmup'] + 5 * ms[v, 'taper'] + 12 * ms[v, 'linear']) / base
     got = {v: modes['eager'] for v, modes in record['projected_run'].items()}
