@@ -278,15 +278,18 @@ def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_o
         n = cfg['max_iters']
         assert abs(n * tokens_per_step / {'t3M': 3e6, 't9M': 9e6, 't18M': 18e6}[budget] - 1) < 0.03, name
         # config/cpu.py's proportions: W and the LR warmup 10 %, T 50 %, decay to the end, min_lr = lr / 10
+        # (part 5's _w25 variants: W 25 %)
         assert (cfg['gate_warmup_iters'], cfg['warmup_iters'], cfg['taper_iters'], cfg['lr_decay_iters']) == \
-            (n // 10, n // 10, n // 2, n), name
+            (n // (4 if v.endswith('_w25') else 10), n // 10, n // 2, n), name
         assert cfg['learning_rate'] == float(lr[2:]) and cfg['min_lr'] == pytest.approx(cfg['learning_rate'] / 10)
         assert (cfg['taper'], cfg['aux_weight'], cfg['norm'], cfg['calibration'], cfg['aux_form']) == {
             'baseline': ('none', 0.0, 'rmsnorm', 'end', 'absolute'), 'internal': ('internal', 0.1, 'rmsnorm', 'end', 'absolute'),
             'all': ('all', 0.1, 'rmsnorm', 'end', 'absolute'), 'internal_ema': ('internal', 0.1, 'rmsnorm', 'ema', 'absolute'),
             'internal_rel': ('internal', 0.1, 'rmsnorm', 'end', 'relative'), 'dyt': ('none', 0.0, 'dyt', 'end', 'absolute'),
             'dyt_noemb': ('none', 0.0, 'dyt', 'end', 'absolute'), 'all_ema': ('all', 0.1, 'rmsnorm', 'ema', 'absolute'),
-            'dyt_a2': ('none', 0.0, 'dyt', 'end', 'absolute'), 'derf': ('none', 0.0, 'derf', 'end', 'absolute')}[v]
+            'dyt_a2': ('none', 0.0, 'dyt', 'end', 'absolute'), 'derf': ('none', 0.0, 'derf', 'end', 'absolute'),
+            'internal_w25': ('internal', 0.1, 'rmsnorm', 'end', 'absolute'),
+            'internal_ema_w25': ('internal', 0.1, 'rmsnorm', 'ema', 'absolute')}[v]
         assert cfg['dyt_embed_scale'] == (v != 'dyt_noemb'), name  # the embedding scalar: named in each DyT, Derf cell
         assert cfg['dyt_alpha0_scale'] == (2.0 if v == 'dyt_a2' else 1.0), name
     # block 7, the 3M rung: two variants at 2e-3-1.6e-2 (3M tokens) and 2e-3-8e-3 (9M), seed 1; part 5's seeds
