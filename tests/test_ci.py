@@ -19,7 +19,7 @@ from test_train import read_log
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / '.ci' / 'gpu'
-MODES = ('quick', 'full', 'study')
+MODES = ('quick', 'full', 'study', 'train')
 TEN_MINUTES = 600  # s: the device tool's limit on one command
 
 
