@@ -60,6 +60,10 @@ GATES = {'baseline': 1.0, 'warmup': 1.0, 'taper': 0.5, 'linear': 0.0}  # g of ea
 # tests nothing compiles after it); the others let the allocator's cache and the BLAS handles settle
 WARM_UPS = 3
 SCHEDULE_KEYS = ('gate_warmup_iters', 'taper_iters', 'max_iters')
+# the timed steps' learning rate: AdamW does all its work whatever the rate, but at a config's peak
+# rate, with no LR warmup, steps repeated on two random batches diverged on a GPU (the TinyStories
+# shape in bf16: a non-finite loss at a row's 14th step); at 0 the weights stay where they started
+TIMED_LR = 0.0
 
 
 def train_config(files):
@@ -124,7 +128,7 @@ def phase_model(args, phase, seed, calibration):
 
 def build_rows(arch, seed, env):
     """One row per variant and phase: SimpleNamespace(variant, phase, model (on env.dev), optimizer
-    (train.configure_optimizer with the variant config's hyperparameters), cfg (the variant's
+    (train.configure_optimizer with the variant config's hyperparameters, at TIMED_LR), cfg (the variant's
     train.py configuration, one micro-batch a step), its (a step counter))."""
     rows = []
     for variant, files in VARIANT_CONFIGS.items():
@@ -133,8 +137,7 @@ def build_rows(arch, seed, env):
         step_cfg = SimpleNamespace(**{**vars(c), 'gradient_accumulation_steps': 1, 'max_iters': 2 ** 62})
         for phase in PHASES if c.taper != 'none' else ('baseline',):
             model = phase_model(args, phase, seed, c.calibration).to(env.dev)
-            optimizer = train.configure_optimizer(model, c.weight_decay, c.learning_rate, (c.beta1, c.beta2),
-                                                  env.device_type)
+            optimizer = train.configure_optimizer(model, c.weight_decay, TIMED_LR, (c.beta1, c.beta2), env.device_type)
             rows.append(SimpleNamespace(variant=variant, phase=phase, model=model, optimizer=optimizer, cfg=step_cfg,
                                         its=itertools.count()))
     return rows

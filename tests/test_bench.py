@@ -330,6 +330,25 @@ def test_the_control_row_is_the_baselines_model_again_with_its_own_state():
     assert control.optimizer is not base.optimizer
 
 
+def test_the_timed_steps_do_adamws_work_but_leave_the_weights_where_they_started():
+    """TIMED_LR: however many trials, no row's weights move (so none can diverge), while AdamW still
+    keeps its moments of every trained tensor."""
+    from types import SimpleNamespace
+    from runs import setup
+    env = setup(SimpleNamespace(device='cpu', dtype='float32', backend='auto', compile=False))  # as bench_train.main
+    arch = dict(n_layer=1, n_embd=16, n_head=2, vocab_size=64, block_size=16)
+    rows = bench_train.build_rows(arch, 1337, env)
+    batches = bench_train.RandomBatches(64, 2, 16, 'cpu', 1)
+    for row in rows:
+        before = {k: p.detach().clone() for k, p in row.model.named_parameters()}  # the EMAs of 'ema' may move
+        run = bench_train.step_run(row, row.model, batches, env)
+        for _ in range(3):
+            run()
+        trained = [p for p in row.model.parameters() if p.requires_grad]
+        assert all(torch.equal(p, before[k]) for k, p in row.model.named_parameters()), (row.variant, row.phase)
+        assert sum(len(row.optimizer.state[p]) > 0 for p in trained) == len(trained), row.variant  # exp_avg, exp_avg_sq
+
+
 def test_the_warm_up_steps_absorb_every_compile(monkeypatch):
     """No compile or recompile of any row's model during its timed steps (dynamo with a counting backend)."""
     import torch._dynamo
