@@ -227,12 +227,11 @@ DERF_LRS = DYT_LRS
 
 # part 5: the default calibration against the gate warmup's length. At EMA_POINT with W at 10 % of the
 # run 'ema' beat 'end' by 0.70 %; an independent implementation with W at 25 % found them tied. Both
-# Internal-Taper calibrations at their best rate there (8e-3), seed 1, with W at 25 % of the run
+# Internal-Taper calibrations at their best rate there (EMA_BEST: 8e-3 for both), seed 1, with W at 25 % of the run
 # (T 50 %, the rest linear): the variants VARIANT_w25
-W25_LR = 8e-3
 
 
-def warmup25_cells(point=EMA_POINT, lr=W25_LR):
+def warmup25_cells(point=EMA_POINT, lr=EMA_BEST[EMA_POINT]):
     """{cell name: train.py arguments}: 'end' and 'ema' Internal-Taper at point with the gate warmup
     W = max_iters // 4 in place of ladder_cells' max_iters // 10 (a later --key=value wins), named
     internal_w25-... and internal_ema_w25-..."""
