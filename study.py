@@ -221,8 +221,10 @@ RUNG_BEST = {('3M', '3M'): {'baseline': 4e-3, 'internal_ema': 4e-3}}
 
 
 # part 5: Derf (baselines.Derf) at the long points, seed 1, on DyT's grids (DYT_LRS: its best rate is
-# DyT's neighbour or the grid's edge moves it); seeds 2 and 3 follow at its best rate
+# DyT's neighbour or the grid's edge moves it); seeds 2 and 3 follow at its best rate, entered as each
+# grid finishes (at (1M, 9M): 4.5688, 4.2995, 4.2070, 4.4316 at 2e-3, 4e-3, 8e-3, 1.6e-2)
 DERF_LRS = DYT_LRS
+DERF_BEST = {('1M', '9M'): 8e-3}
 
 
 # part 5: the default calibration against the gate warmup's length. At EMA_POINT with W at 10 % of the
@@ -240,7 +242,7 @@ def warmup25_cells(point=EMA_POINT, lr=EMA_BEST[EMA_POINT]):
             for v in ('internal', 'internal_ema') for name, args in point_cells(v, point, (lr,)).items()}
 
 
-def rung_seeds(best):
+def best_seeds(best):
     """{cell name: train.py arguments} of seeds 2 and 3 of each variant at its best rate at each
     point of best ({(size, budget): {variant: lr}})."""
     return {n: a for p, rates in best.items() for v, lr in rates.items()
@@ -299,8 +301,9 @@ MATRICES = {
                   for n, a in ladder_cells(('baseline', 'internal'), size, budget, LADDER_LRS[size, budget]).items()},
                **ladder_blocks(LADDER_BEST), **ema_grid(LADDER_BEST), **part4_blocks(LADDER_BEST, EMA_BEST, DYT_BEST),
                **{n: a for p in RUNG_POINTS for n, a in ladder_cells(('baseline', 'internal_ema'), *p, RUNG_LRS[p]).items()},
-               **rung_seeds(RUNG_BEST),
+               **best_seeds(RUNG_BEST),
                **{n: a for p in LONG_POINTS for n, a in ladder_cells(('derf',), *p, DERF_LRS[p]).items()},
+               **best_seeds({p: {'derf': lr} for p, lr in DERF_BEST.items()}),
                **warmup25_cells()},
     # a two-cell matrix of a few seconds on the toy data of the tests
     'tiny': {f'{v}-end-s1': ['--dataset=toy', '--device=cpu', '--n_layer=1', '--n_head=1', '--n_embd=16',

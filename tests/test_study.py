@@ -749,8 +749,10 @@ def test_the_declared_part_4_rates_are_bracketed_bests():
         cells = json.load(f)['cells']
     # each best on the grid it was found on (block 3's midpoints, still to run, may move it later)
     grids = {'internal_ema': study.ema_grid(study.LADDER_BEST),
-             'dyt': {n: a for p in study.DYT_LRS for n, a in study.ladder_cells(('dyt',), *p, study.DYT_LRS[p]).items()}}
-    for v, declared in (('internal_ema', study.EMA_BEST), ('dyt', study.DYT_BEST)):
+             **{v: {n: a for p, lrs in study.DYT_LRS.items() for n, a in study.ladder_cells((v,), *p, lrs).items()}
+                for v in ('dyt', 'derf')}}
+    assert study.DERF_LRS == study.DYT_LRS
+    for v, declared in (('internal_ema', study.EMA_BEST), ('dyt', study.DYT_BEST), ('derf', study.DERF_BEST)):
         for point, lr in declared.items():
             grid = {n: [] for n in grids[v] if n.startswith(f'{v}-{point[0]}-t{point[1]}-')}
             best, _, note = study.ladder_best({n: c for n, c in cells.items() if n in grid}, grid)[point][v]
@@ -767,7 +769,7 @@ def test_the_declared_3m_rung_rates_are_bracketed_bests():
         found = study.ladder_best({n: c for n, c in cells.items() if n in grid}, grid)[point]
         for v, lr in rates.items():
             assert found[v][0] == lr and found[v][2] == '', (v, point)
-    assert set(study.rung_seeds(study.RUNG_BEST)) == {f'{v}-3M-t3M-lr0.004-s{s}' for v in ('baseline', 'internal_ema')
+    assert set(study.best_seeds(study.RUNG_BEST)) == {f'{v}-3M-t3M-lr0.004-s{s}' for v in ('baseline', 'internal_ema')
                                                       for s in (2, 3)}
 
 
@@ -810,9 +812,11 @@ def test_the_gap_plot_draws_each_gap_with_its_95_interval_against_tokens_per_non
     plt.close('all')
 
 
-def test_part_5s_derf_cells_run_on_dyts_grids_at_the_long_points():
+def test_part_5s_derf_cells_run_on_dyts_grids_at_the_long_points_and_seeds_2_3_at_a_declared_best():
     derf = {n for n in study.MATRICES['ladder'] if n.startswith('derf-')}
-    assert derf == {f'derf-{size}-t{budget}-lr{lr:g}-s1' for (size, budget), lrs in study.DYT_LRS.items() for lr in lrs}
+    assert derf == ({f'derf-{size}-t{budget}-lr{lr:g}-s1' for (size, budget), lrs in study.DYT_LRS.items() for lr in lrs} |
+                    {f'derf-{size}-t{budget}-lr{lr:g}-s{s}' for (size, budget), lr in study.DERF_BEST.items() for s in (2, 3)})
+    assert 'derf-1M-t9M-lr0.008-s3' in derf
     assert study.cell_config(study.MATRICES['ladder']['derf-1M-t9M-lr0.004-s1'])['norm'] == 'derf'
 
 
