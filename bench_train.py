@@ -205,7 +205,8 @@ def projected_run(results, sched):
 
 
 def profile_steps(runs, compiled, device_type):
-    """A torch.profiler table of one training step of each row, operators by self time."""
+    """A torch.profiler table of one training step of each row, operators by self time, then the
+    step's totals (profile_totals): whether a row's extra time is work on the device or launches."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == 'cuda' else [])
     for (variant, phase), run in runs.items():
@@ -215,6 +216,23 @@ def profile_steps(runs, compiled, device_type):
         print(f"---- profile: one training step of {variant}, phase {phase} ({how}) ----")
         print(prof.key_averages().table(sort_by=f"self_{'device' if device_type == 'cuda' else 'cpu'}_time_total",
                                         row_limit=12))
+        totals = profile_totals(prof)
+        print(f"one step: {totals['operators']} operator calls, {totals['host_ms']:.2f} ms of them on the host" +
+              (f"; {totals['kernels']} device kernels, {totals['device_ms']:.2f} ms on the device"
+               if device_type == 'cuda' else ''))
+
+
+def profile_totals(prof):
+    """{'operators': calls of torch operators (aten:: and the compiled graph's), 'host_ms': their self
+    time on the CPU, 'kernels': device kernels launched, 'device_ms': their time} of a finished
+    torch.profiler run. On a GPU a step whose host_ms exceeds its device_ms is launch-bound: there an
+    extra kernel costs its launch, whatever it computes."""
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    return {'operators': sum(1 for e in host if e.name.startswith(('aten::', 'CompiledFunction', 'Torch-Compiled'))),
+            'host_ms': sum(e.self_cpu_time_total for e in host) / 1e3,
+            'kernels': len(kernels), 'device_ms': sum(e.device_time_total for e in kernels) / 1e3}
 
 
 def print_table(results, sched, projection):

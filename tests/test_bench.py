@@ -1,6 +1,7 @@
 """bench.py: end to end on a tiny model, its JSON record, the correctness gate, bad settings."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -386,6 +387,24 @@ def test_the_projected_run_is_the_schedules_steps_times_the_rows_medians(capsys)
     assert got['baseline'] == 1.0
     out = capsys.readouterr().out
     assert f"run of All-Taper costs {by_hand['all']:.3f} × the baseline's training time (eager; W=3, T=5" in out
+
+
+def test_the_profile_counts_each_rows_operators_and_the_ema_statistics_among_them(capsys):
+    """--profile=True: one table and one totals line per row. The control is the baseline's model
+    again, so its operator calls are the baseline's to the one; the warmup's with 'ema' statistics
+    are more, and the totals are the profiler's own (Self CPU time total)."""
+    bench.main(TRAIN + ['--compile=eager', '--profile=True'])
+    out = capsys.readouterr().out
+    heads = re.findall(r'---- profile: one training step of (\w+), phase (\w+) \(eager\) ----', out)
+    assert heads == [(v, p) for v, ps in PHASES_OF.items() for p in ps]
+    totals = re.findall(r'Self CPU time total: ([\d.]+)(m?s)\n\none step: (\d+) operator calls, ([\d.]+) ms of them on '
+                        r'the host\n', out)
+    assert len(totals) == len(heads)
+    for total, unit, _, host_ms in totals:
+        assert float(host_ms) == pytest.approx(float(total) * (1 if unit == 'ms' else 1000), abs=0.006)
+    calls = {row: int(t[2]) for row, t in zip(heads, totals)}
+    assert calls['control', 'baseline'] == calls['baseline', 'baseline']
+    assert calls['internal', 'warmup'] > calls['baseline', 'baseline']  # + TaperNorm.observe's ops in each norm
 
 
 def test_the_schedule_is_read_from_train_configs_as_train_py_runs_them():

@@ -189,6 +189,19 @@ def test_bench_at_9m_compiled_passes_its_gate(capsys):
     assert all(r['compiled'] and r['tokens_per_s'] > 0 for r in record['results'])
 
 
+def test_profile_totals_see_the_device_kernels():
+    """bench --mode=train --profile=True on a GPU: a step's kernels and their device time are counted."""
+    import bench_train
+    from torch.profiler import ProfilerActivity, profile
+    a = torch.randn(512, 512, device='cuda')
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            a = a @ a / 512
+        torch.cuda.synchronize()
+    totals = bench_train.profile_totals(prof)
+    assert totals['kernels'] >= 3 and totals['device_ms'] > 0 and totals['operators'] >= 6  # 3 mm and 3 div
+
+
 @pytest.mark.skipif(not localhost_works(), reason='cannot open a TCP connection to localhost')
 def test_torchrun_with_nccl_through_a_phase_change(stories, tmp_path):
     out = tmp_path / 'ddp'
