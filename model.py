@@ -119,7 +119,7 @@ class TaperNorm(Norm):
             return
         x = norm_input(h.float(), self.kind).flatten(0, -2)  # (tokens, d)
         x2 = x.pow(2)
-        self.step_num += (x2 / norm_scale(x, 'rmsnorm', self.eps)).mean(0)  # x is centred already
+        self.step_num += (x2 / norm_scale(x, 'rmsnorm', self.eps)).mean(0)  # x = P h is centred: σ(h) for LN
         self.step_den += x2.mean(0)
 
     def forward(self, h, gate, pos=None):
@@ -259,6 +259,8 @@ class ForwardMetrics:
     hidden_rms:      mean over tokens of s(h), h the residual stream before the final norm
     logit_rms:       sqrt(mean z²) over all positions and vocabulary entries, fp32
     final_scale_rms: RMS of c·γ̃ of the final norm, or None when the final norm does not taper
+                     (through the gate warmup c and γ̃ keep their initial 1: it reads 1.0 until the
+                     calibrate event sets them)
     """
     ce: torch.Tensor
     aux: torch.Tensor
@@ -407,7 +409,7 @@ class GPT(nn.Module):
     taper='internal' tapers ln_1 and ln_2 of every block; 'all' tapers ln_f too (docs/method.md §4).
     The model owns the one global gate g (buffer `gate`), the scale target s_tgt and its EMA.
     With config.folded the tapered norms are absent (None: no op runs in their place), and
-    under All-Taper the LM head is untied from the token embedding (LN kind: with a bias).
+    under All-Taper the LM head is untied from the token embedding (LN kind with config.bias: with a bias).
     """
 
     def __init__(self, config):
@@ -489,8 +491,9 @@ class GPT(nn.Module):
     def set_phase(self, phase):
         """Select the code path of every TaperNorm (docs/method.md §1) and which gains train.
 
-        γ, β of tapered layers are unused in 'linear', γ̃, β̃ unused in 'warmup': they get
-        requires_grad=False so DDP (which needs every trainable parameter used) does not fail.
+        γ, β of tapered layers are unused in 'linear', γ̃, β̃ unused in 'warmup' (the 'mismatch'
+        statistics read them without gradient): they get requires_grad=False so DDP (which needs
+        every trainable parameter used) does not fail.
         Raises ValueError for a phase this model cannot be in, RuntimeError for taper or
         linear before calibrate().
         """
@@ -537,7 +540,9 @@ class GPT(nn.Module):
 
         Call once after every optimizer step of the gate warmup, whose forwards ran under
         set_collect('calibration'). The step's statistics are the mean over its micro-batches
-        and ranks. Raises RuntimeError if no collecting forward ran since the last call.
+        and ranks. If no collecting forward ran since the last call: on the CPU a RuntimeError
+        here; on CUDA a device-side assert (no host sync each step), which surfaces at the next
+        synchronization and leaves the CUDA context unusable.
         """
         norms = [m for _, m in self.tapernorms()]  # one walk of the modules a step, not two (~0.1 ms of host time each)
         *totals, n_micro = all_reduce_sums(self._calibration_sums(norms))
@@ -575,8 +580,7 @@ class GPT(nn.Module):
             *totals, n_micro = all_reduce_sums(self._calibration_sums([m for _, m in norms]))
             if n_micro.item() == 0:
                 raise RuntimeError("calibrate('end') before any forward under set_collect('calibration')")
-            stats = [t / n_micro for t in totals]  # N, D per layer, then mean s(h)
-            s_tgt = stats[-1]
+            *stats, s_tgt = [t / n_micro for t in totals]  # N, D per layer, then mean s(h)
         elif mode == 'ema':
             steps = int(self.calib_steps)
             if steps == 0:
@@ -586,7 +590,7 @@ class GPT(nn.Module):
         else:
             raise ValueError(f"calibrate(mode={mode!r}): choose 'end' or 'ema'")
         cs = {}
-        for (name, m), num, den in zip(norms, stats[0::2], stats[1::2]):
+        for (name, m), num, den in zip(norms, stats[0::2], stats[1::2], strict=True):
             g2 = m.weight.float().pow(2)
             m.c.fill_((g2 * num).sum() / (g2 * den).sum())
             m.weight_tilde.copy_(m.weight)
@@ -604,8 +608,9 @@ class GPT(nn.Module):
         stores the detached parts in `self.last_metrics` (a ForwardMetrics).
         Without: returns (logits of the last position (B, 1, V), None); so a prefill returns
         only the logits that choose the next token.
-        L_aux = λ · mean_tokens (s(h) − s_tgt)² on the residual stream h before the final norm
-        (docs/method.md §4), active in the taper and linear phases when λ > 0.
+        L_aux = λ · mean_tokens (s(h) − s_tgt)² (or config.aux_form's 'relative' form, see aux_loss)
+        on the residual stream h before the final norm (docs/method.md §4), active in the taper and
+        linear phases when λ > 0.
         input_pos: None for the ordinary causal forward, or the (T,) positions of idx to write
         into and attend over the KV caches (prefill: 0..T−1; decode: one position), after
         `setup_caches`. Positions are not range-checked here (that would sync with the host);
