@@ -486,6 +486,12 @@ def test_phase_paths_and_trainable_gains():
     with pytest.raises(RuntimeError, match='calibrated'):
         model.set_phase('taper')
     calibrate_on(model, torch.randint(0, 64, (2, 16)))
+    model.set_phase('taper')
+    model.set_gate(0.5)
+    assert ln.weight.requires_grad and ln.weight_tilde.requires_grad  # 0 < g < 1: both branches train
+    x = torch.randint(0, 64, (2, 16))
+    model(x, x)[1].backward()
+    assert ln.weight.grad.abs().sum() > 0 and ln.weight_tilde.grad.abs().sum() > 0
     model.set_phase('linear')
     assert ln.weight_tilde.requires_grad and not ln.weight.requires_grad
     assert model.transformer.ln_f.weight.requires_grad  # Internal-Taper keeps a real final norm

@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 import runs
 import train
 import configurator
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, TaperNorm
 from runs import load_model, save_checkpoint
 from train import get_gate, get_lr, get_phase, load_config
 
@@ -334,6 +334,33 @@ def test_log_records(toy_data, tmp_path):
     assert 'final_val_loss' in log[-1] and math.isfinite(log[-1]['final_val_loss'])
     calib = [r for r in log if r.get('event') == 'calibrate']
     assert len(calib) == 1 and calib[0]['iter'] == 3 and len(calib[0]['c']) == 2 * 2 + 1
+
+
+@pytest.mark.parametrize('calibration', ['end', 'ema'])
+def test_only_ema_collects_in_the_training_steps_and_every_step_trains_in_train_mode(toy_data, tmp_path, monkeypatch,
+                                                                                    calibration):
+    """'end' measures on forwards of its own at the calibrate event (eval mode), 'ema' in each micro-batch
+    of every warmup step (W = 3 steps × 2 micro-batches × 5 tapered norms); and the step after the
+    event's eval-mode forwards trains in train mode (dropout on) with no evaluation between (every 4)."""
+    observed, modes = [], []
+    real_observe, real_step = TaperNorm.observe, train.train_step
+
+    def observe(self, h, y):
+        observed.append((self.collect, self.training))
+        return real_observe(self, h, y)
+
+    def step(train_model, raw_model, *args, **kwargs):
+        modes.append(raw_model.training)
+        return real_step(train_model, raw_model, *args, **kwargs)
+
+    monkeypatch.setattr(TaperNorm, 'observe', observe)
+    monkeypatch.setattr(train, 'train_step', step)
+    train.main(toy_args(toy_data, tmp_path / 'run', calibration=calibration, gate_warmup_iters=3, taper_iters=5,
+                        max_iters=10, lr_decay_iters=10))
+    assert len(modes) == 10 and all(modes)
+    in_training = [collect for collect, training in observed if training]
+    assert in_training == ([] if calibration == 'end' else ['calibration'] * (3 * 2 * 5))
+    assert ('mismatch', False) in observed  # the event's own forwards, in eval mode
 
 
 def test_baseline_run_and_internal_taper_keep_a_real_final_norm(toy_data, tmp_path):
