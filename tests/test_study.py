@@ -749,9 +749,8 @@ def test_the_declared_part_4_rates_are_bracketed_bests():
         cells = json.load(f)['cells']
     # each best on the grid it was found on (block 3's midpoints, still to run, may move it later)
     grids = {'internal_ema': study.ema_grid(study.LADDER_BEST),
-             **{v: {n: a for p, lrs in study.DYT_LRS.items() for n, a in study.ladder_cells((v,), *p, lrs).items()}
-                for v in ('dyt', 'derf')}}
-    assert study.DERF_LRS == study.DYT_LRS
+             **{v: {n: a for p, lrs in grid.items() for n, a in study.ladder_cells((v,), *p, lrs).items()}
+                for v, grid in (('dyt', study.DYT_LRS), ('derf', study.DERF_LRS))}}
     for v, declared in (('internal_ema', study.EMA_BEST), ('dyt', study.DYT_BEST), ('derf', study.DERF_BEST)):
         for point, lr in declared.items():
             grid = {n: [] for n in grids[v] if n.startswith(f'{v}-{point[0]}-t{point[1]}-')}
@@ -812,9 +811,10 @@ def test_the_gap_plot_draws_each_gap_with_its_95_interval_against_tokens_per_non
     plt.close('all')
 
 
-def test_part_5s_derf_cells_run_on_dyts_grids_at_the_long_points_and_seeds_2_3_at_a_declared_best():
+def test_part_5s_derf_cells_run_on_dyts_grid_moved_up_where_its_edge_won_and_seeds_2_3_at_a_declared_best():
     derf = {n for n in study.MATRICES['ladder'] if n.startswith('derf-')}
-    assert derf == ({f'derf-{size}-t{budget}-lr{lr:g}-s1' for (size, budget), lrs in study.DYT_LRS.items() for lr in lrs} |
+    assert derf == ({f'derf-1M-t9M-lr{lr:g}-s1' for lr in study.DYT_LRS['1M', '9M']} |
+                    {f'derf-0.4M-t18M-lr{lr:g}-s1' for lr in (0.008, 0.016, 0.032)} |  # 1.6e-2 beat 8e-3
                     {f'derf-{size}-t{budget}-lr{lr:g}-s{s}' for (size, budget), lr in study.DERF_BEST.items() for s in (2, 3)})
     assert 'derf-1M-t9M-lr0.008-s3' in derf
     assert study.cell_config(study.MATRICES['ladder']['derf-1M-t9M-lr0.004-s1'])['norm'] == 'derf'
