@@ -367,6 +367,9 @@ def test_fold_and_sample_scripts_end_to_end(trained, tmp_path, capsys):
     text = sample.main([f'--ckpt={out}', f'--start=FILE:{prompt}', '--num_samples=1', '--temperature=0.8',
                         '--top_k=5'])
     assert text[0].startswith('the mat') and len(text[0]) > 50  # max_new_tokens=0 fills the context
+    every = sample.main([f'--ckpt={out}', '--start=the mat', '--num_samples=1', '--temperature=0.8', '--top_k=0',
+                         '--max_new_tokens=4'])  # top_k 0: every token
+    assert every[0].startswith('the mat') and len(every[0]) > len('the mat')
     with pytest.raises(SystemExit, match='already folded'):
         fold.main([f'--ckpt={out}', f'--out={tmp_path / "twice.pt"}'])
 
@@ -431,6 +434,20 @@ def test_generate_argument_checks():
     assert torch.equal(model.generate(idx, 0), idx)
     out = model.generate(idx, 5, temperature=0.7, top_k=3, generator=torch.Generator().manual_seed(0))
     assert out.shape == (2, 8) and torch.equal(out[:, :3], idx)
+
+
+@torch.no_grad()
+def test_generate_samples_every_new_token_not_only_the_first():
+    """With the head zeroed (bias too) every logit is 0: each new token is uniform over the vocabulary at
+    temperature 1, where greedy decoding would give token 0 every time. 64 rows × 8 tokens from V = 96:
+    about 96·(1 − e^(−512/96)) ≈ 95 distinct values expected, each decode position many."""
+    model = linear_phase(taper='none', bias=False)
+    model.lm_head.weight.zero_()  # tied: the token embedding is zero too, the positions still differ
+    idx = torch.zeros(64, 3, dtype=torch.long)
+    out = model.generate(idx, 8, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert out[:, 3].unique().numel() > 32  # the prefill's token
+    for t in range(4, 11):  # the decode steps' tokens
+        assert out[:, t].unique().numel() > 32, t
 
 
 @pytest.mark.parametrize('script', [sample, fold, bench])
