@@ -418,6 +418,10 @@ def test_fakeln_freezes_the_mean_std_of_its_window_and_divides_by_it():
     assert event['std']['h.0.ln_1'] == pytest.approx(sigma[:, 1:].mean().item(), rel=1e-5)
     steps(1)
     assert remove_norms(model)['removed'] == 'ln_f'
+    # every norm removed, position 0 still its own until the last event: s0 there, s elsewhere
+    assert m.first_position and m.std_first != m.std
+    expected = (h - h.mean(-1, keepdim=True)) / torch.where(torch.arange(16)[:, None] == 0, m.std_first, m.std)
+    assert_close(m(h, None, torch.arange(16)), expected * m.weight + m.bias)
     event = remove_norms(model)
     assert event['removed'] == 'first_position' and event['std_first'] == event['std']
     assert not m.first_position
