@@ -224,8 +224,8 @@ def profile_steps(runs, compiled, device_type):
 
 def profile_totals(prof):
     """{'operators': calls of torch operators (aten:: and the compiled graph's; an operator another
-    calls is counted too, as the profiler's table counts it), 'host_ms': the host events' self time, 'kernels': device kernels launched, 'device_ms': their time} of a finished
-    torch.profiler run. On a GPU a step whose host_ms exceeds its device_ms is launch-bound: there an
+    calls is counted too, as the profiler's table counts it), 'host_ms': the host events' self time,
+    'kernels': device kernels launched, 'device_ms': their time} of a finished torch.profiler run. On a GPU a step whose host_ms exceeds its device_ms is launch-bound: there an
     extra kernel costs its launch, whatever it computes."""
     events = prof.events()
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
