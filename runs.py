@@ -337,8 +337,10 @@ def compile_model(model):
 
 
 def end_processes(env):
-    """Under DDP, with every rank done: a barrier, then the process group goes (gloo aborted at exit
-    now and then when one rank tore down first)."""
+    """Under DDP, with every rank here (a run that ended, or stopped at a point its ranks agreed
+    on): a barrier, then the process group goes. A rank that exits with its process group alive,
+    or before the others are done, aborts now and then at exit ("terminate called without an
+    active exception", SIGABRT): gloo's threads outlive the interpreter."""
     if env.ddp:
         torch.distributed.barrier(device_ids=[env.local_rank] if env.device_type == 'cuda' else None)
         torch.distributed.destroy_process_group()
@@ -410,6 +412,11 @@ def resume_command(out_dir, world):
     torchrun for `world` processes (a run resumes on the number it was trained on)."""
     launch = 'python train.py' if world == 1 else f'torchrun --standalone --nproc_per_node={world} train.py'
     return f'{launch} --init_from=resume --out_dir={out_dir}'
+
+
+class Stopped(SystemExit):
+    """Run.stop's exit: a signal stopped the run where Run's contract says, with 130 (SIGINT) or
+    143 (SIGTERM); under DDP every rank raises it at the same point."""
 
 
 class Cut(BaseException):
@@ -615,6 +622,7 @@ class Run:
                     ...
                 run.end_iteration(it, stats['stop'])         # where a signal stops the run
             run.finish(phase, final_losses)                  # last checkpoint, final losses, record
+                                                             # leaving: DDP's ranks end together
 
     state() gives what a checkpoint holds besides iter_num, config and world (model, optimizer,
     model_args, meta). iter_num: the iteration the run starts at (a resumed run's checkpoint's).
@@ -622,7 +630,9 @@ class Run:
     The contract. The first signal prints one line at once (on stderr, rank 0) naming what the
     run finishes or cuts short; the run then writes the checkpoint of every finished step,
     prints one line with the iteration it resumes at and the command that resumes it, and exits
-    with 130 (SIGINT) or 143 (SIGTERM), on every rank, with no traceback. Where it lands:
+    with 130 (SIGINT) or 143 (SIGTERM), on every rank, with no traceback (raising Stopped; under
+    DDP the ranks end their processes together as they leave the context, as at a run's end).
+    Where it lands:
     - before the loop (building, compiling: the context is entered): the first iteration begins
       as usual; its evaluation, when due, is cut at once (below), else its step runs and the run
       stops after it.
@@ -638,7 +648,8 @@ class Run:
       (stop_asked): a signal after that point is carried by the next step, which is then the
       last (the first line names it), or by the final checkpoint after the last step.
     - after the last step, while the final checkpoint is written: it is written whole, then the
-      run stops (the resumed run computes the final losses).
+      run stops (the resumed run computes the final losses). Under DDP the ranks agree there
+      (signalled: an all-reduce), so that none enters the final losses alone.
     - during the final losses: one process cuts them short and stops (the last step's checkpoint
       is already written); under DDP they run to their end (their all-reduce), the final record
       is written and the run, complete, stops with one line saying so.
@@ -658,9 +669,15 @@ class Run:
         self.signals.__enter__()
         return self
 
-    def __exit__(self, *exc):
-        self.signals.__exit__(*exc)
-        self.signals.doing = None  # the bound method's cycle would keep the lock after the run returns
+    def __exit__(self, exc_type, exc, tb):
+        """A run that ended or stopped (Stopped) ends its processes together (end_processes); an
+        error propagates without a collective, which a rank that failed alone would never meet."""
+        try:
+            if exc_type is None or issubclass(exc_type, Stopped):
+                end_processes(self.env)
+        finally:
+            self.signals.__exit__(exc_type, exc, tb)
+            self.signals.doing = None  # the bound method's cycle would keep the lock after the run returns
 
     def doing(self):
         """What the run is doing, for the first signal's line (StopSignal)."""
@@ -714,7 +731,16 @@ class Run:
             say(f"stopped by {signal.Signals(self.signals.received or signal.SIGTERM).name} {when}: saved in "
                 f"{self.ckpt_path}, which resumes at iteration {resume_at}; continue with: "
                 f"{resume_command(self.cfg.out_dir, self.env.world)}")
-        raise SystemExit(130 if self.signals.received == signal.SIGINT else 143)
+        raise Stopped(130 if self.signals.received == signal.SIGINT else 143)
+
+    def signalled(self):
+        """Whether a signal has reached this process, or under DDP any rank: an all-reduce, made by
+        every rank at the same point, so that they all stop there or none does."""
+        if not self.env.ddp:
+            return self.signals.received is not None
+        flag = torch.tensor([float(self.signals.received is not None)], device=self.env.dev)
+        torch.distributed.all_reduce(flag)
+        return flag.item() > 0
 
     def evaluate(self, it, estimate):
         """When due (it a multiple of eval_interval), on rank 0: the validation loss
@@ -764,7 +790,7 @@ class Run:
         class's contract."""
         cfg, env = self.cfg, self.env
         self.save(self.iter_num)
-        if self.signals.received is not None:
+        if self.signalled():  # under DDP the ranks agree: the final losses are a collective
             self.stop('after the last iteration', self.iter_num, save=False)
         if env.master:
             print(f"final losses: the whole val split and as many train windows, {self.progress.final_batches} "
@@ -781,4 +807,4 @@ class Run:
             if env.master:
                 say(f"stopped by {signal.Signals(self.signals.received).name} after the final losses: the run in "
                     f"{cfg.out_dir} is complete")
-            raise SystemExit(130 if self.signals.received == signal.SIGINT else 143)
+            raise Stopped(130 if self.signals.received == signal.SIGINT else 143)

@@ -595,9 +595,7 @@ def main(argv):
         raw_model.set_gate(get_gate(run.iter_num, *schedule))
         fakeln_events(raw_model, run.iter_num, run)
         run.finish(raw_model.phase, functools.partial(final_losses, raw_model, folder, cfg, env))
-    del train_model  # under DDP its reducer holds the process group: free it before the group goes
-    end_processes(env)
-    return raw_model
+    return raw_model  # leaving `with run`, DDP's ranks ended together (runs.end_processes)
 
 
 if __name__ == '__main__':

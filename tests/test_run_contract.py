@@ -1,8 +1,8 @@
 """runs.Run's contract, point by point, without train.py: a loop of stand-in steps drives a Run
 as train.main does, a signal is sent at one point, and what the run saves, says and exits with is
-checked against the contract in Run's docstring. DDP is rank 0's view (env.ddp, world 2): Run
-itself runs no collective, the step's all-reduce is stood in for by the flag passed to
-end_iteration."""
+checked against the contract in Run's docstring. DDP is rank 0's view (env.ddp, world 2): the
+step's all-reduce is stood in for by the flag passed to end_iteration, and Run's own
+collectives (the agreement after the last step, the processes' end) by recorders (collectives)."""
 
 import os
 import signal
@@ -29,6 +29,22 @@ def make_run(tmp_path, ddp=False):
     env = SimpleNamespace(master=True, rank=0, world=2 if ddp else 1, ddp=ddp, device_type='cpu', dev='cpu',
                           dtype='float32', tf32=False)
     return runs.Run(cfg, env, str(tmp_path), 0, lambda: {'model': {}, 'marker': 'state'})
+
+
+@pytest.fixture(autouse=True)
+def collectives(monkeypatch):
+    """The collectives Run makes, recorded by name, with no process group. all_reduce adds
+    `others` (what the other rank's flag would add), 0 unless a test sets it."""
+    made = SimpleNamespace(calls=[], others=0.0)
+
+    def all_reduce(tensor):
+        made.calls.append('all_reduce')
+        tensor += made.others
+
+    monkeypatch.setattr(torch.distributed, 'all_reduce', all_reduce)
+    monkeypatch.setattr(torch.distributed, 'barrier', lambda **kw: made.calls.append('barrier'))
+    monkeypatch.setattr(torch.distributed, 'destroy_process_group', lambda: made.calls.append('destroy'))
+    return made
 
 
 def send(signum=signal.SIGTERM):
@@ -244,3 +260,42 @@ def test_the_first_evaluations_line_is_printed_where_a_signal_cuts_it_short(tmp_
     monkeypatch.undo()
     assert e.value.code == 130
     assert capfd.readouterr().err.startswith('SIGINT: cutting the evaluation at iteration 0 short')
+
+
+@pytest.mark.parametrize('at, flag', [(None, lambda it: False), ('evaluation', lambda it: it >= 4),
+                                      ('after step', lambda it: it >= 6), ('final losses', lambda it: False)])
+@pytest.mark.parametrize('ddp', [False, True])
+def test_every_end_under_ddp_ends_the_processes_together_once(tmp_path, capfd, collectives, ddp, at, flag):
+    """An undisturbed run and each stop: under DDP the ranks meet a barrier, then the process
+    group goes, once, as the run leaves its context (a rank left with its process group alive
+    aborted at exit now and then); one process makes no collective."""
+    run = make_run(tmp_path, ddp)
+    if at is None:
+        loop(run, ddp_flag=flag if ddp else None)
+    else:
+        with pytest.raises(SystemExit):
+            loop(run, at, signal.SIGINT, ddp_flag=flag if ddp else None)
+    after_finish = ['all_reduce'] if at in (None, 'final losses') else []  # the agreement after the last step
+    assert collectives.calls == (after_finish + ['barrier', 'destroy'] if ddp else [])
+
+
+def test_after_the_last_step_under_ddp_a_signal_on_another_rank_stops_this_one_too(tmp_path, capfd, collectives):
+    """Rank 0 received nothing, another rank did: their agreement stops rank 0 before the final
+    losses, which it would otherwise enter alone."""
+    run = make_run(tmp_path, ddp=True)
+    collectives.others = 1.0
+    with pytest.raises(SystemExit) as e:
+        with run:
+            run.iter_num = ITERS
+            run.finish('linear', lambda: pytest.fail('the final losses ran'))
+    assert e.value.code == 143 and checkpoint(tmp_path)['iter_num'] == ITERS
+    assert collectives.calls == ['all_reduce', 'barrier', 'destroy']
+
+
+def test_an_error_under_ddp_propagates_without_a_collective(tmp_path, collectives):
+    """A rank that fails alone must not wait in a barrier the others never reach."""
+    run = make_run(tmp_path, ddp=True)
+    with pytest.raises(RuntimeError, match='a failing step'):
+        with run:
+            raise RuntimeError('a failing step')
+    assert collectives.calls == [] and signal.getsignal(signal.SIGTERM) != run.signals.handle
