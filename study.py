@@ -224,9 +224,10 @@ RUNG_BEST = {('3M', '3M'): {'baseline': 4e-3, 'internal_ema': 4e-3}}
 # DyT's neighbour or the grid's edge moves it); seeds 2 and 3 follow at its best rate, entered as each
 # grid finishes (at (1M, 9M): 4.5688, 4.2995, 4.2070, 4.4316 at 2e-3, 4e-3, 8e-3, 1.6e-2). At (0.4M,
 # 18M) 1.6e-2 beat 8e-3 (4.3575, 4.3930), its top edge: the grid moves up to 3.2e-2, and 4e-3, not
-# yet run and below a rate already worse, is dropped
+# yet run and below a rate already worse, is dropped; 3.2e-2 ended 4.4850 (its final Derf saturated), so
+# 1.6e-2 is bracketed
 DERF_LRS = {**DYT_LRS, ('0.4M', '18M'): (8e-3, 1.6e-2, 3.2e-2)}
-DERF_BEST = {('1M', '9M'): 8e-3}
+DERF_BEST = {('1M', '9M'): 8e-3, ('0.4M', '18M'): 1.6e-2}
 
 
 # part 5: the default calibration against the gate warmup's length. At EMA_POINT with W at 10 % of the
