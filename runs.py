@@ -415,8 +415,10 @@ def resume_command(out_dir, world):
 
 
 class Stopped(SystemExit):
-    """Run.stop's exit: a signal stopped the run where Run's contract says, with 130 (SIGINT) or
-    143 (SIGTERM); under DDP every rank raises it at the same point."""
+    """An end of the run that every rank reaches at the same point: Run.stop's (a signal, exit 130
+    for SIGINT, 143 for SIGTERM, where Run's contract says) or a non-finite loss (train.py: the
+    step's all-reduce shows it to every rank). Leaving the Run, the ranks end their processes
+    together (end_processes), as at a finished run."""
 
 
 class Cut(BaseException):

@@ -44,7 +44,7 @@ from configurator import (ConfigError, changed_keys, check_compiler, config_file
                           overlay_rank)
 from gpt2 import GPT2_MODELS, PRETRAINED_SHAPE, PretrainedError, from_pretrained, pretrained_args
 from model import GPT, GPTConfig, branch_mismatch
-from runs import (Run, batch_rng, compile_model, end_processes, final_losses, final_record, find_dataset,
+from runs import (Run, Stopped, batch_rng, compile_model, end_processes, final_losses, final_record, find_dataset,
                   model_from_state_dict, resume_command, resume_config, setup, windows, wrap_ddp)
 
 # -----------------------------------------------------------------------------
@@ -363,7 +363,7 @@ def train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stop=No
     stats = dict(zip((*STEP_METRICS, 'stop', 'grad_norm', 'dyt_saturated'), sums.tolist()))  # the step's one host sync
     stats['stop'], stats['dyt_saturated'] = stats['stop'] > 0, stats['dyt_saturated'] > 0
     if not (math.isfinite(stats['loss']) and math.isfinite(stats['grad_norm'])):
-        raise SystemExit(f"non-finite loss {stats['loss']} (grad norm {stats['grad_norm']}) at iteration {it}; "
+        raise Stopped(f"non-finite loss {stats['loss']} (grad norm {stats['grad_norm']}) at iteration {it}; "
                          f"stopping without saving: {os.path.join(cfg.out_dir, 'ckpt.pt')} keeps the last good state")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
