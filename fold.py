@@ -36,7 +36,7 @@ import torch
 from baselines import FAKELN_EVENTS, NORM_FREE
 from configurator import ConfigError, configure, resolve_device, set_tf32
 from model import GPTConfig
-from runs import load_model, model_from_state_dict, save_checkpoint
+from runs import load_model, model_from_state_dict, resume_command, save_checkpoint
 
 # -----------------------------------------------------------------------------
 ckpt = ''           # a train.py checkpoint in the linear phase (g = 0)
@@ -207,6 +207,16 @@ def validate(cfg):
         raise ConfigError(f"--out={cfg['out']}: its folder does not exist; create it first")
 
 
+def unfinished(ck):
+    """For a checkpoint of a run that stopped before its last step (Ctrl-C, a time limit): a
+    sentence giving the command that finishes it; '' otherwise."""
+    run, it = ck.get('config') or {}, ck.get('iter_num')
+    if it is None or 'max_iters' not in run or it >= run['max_iters']:
+        return ''
+    return (f". Its run stopped at iteration {it} of {run['max_iters']}; finish it with: "
+            f"{resume_command(run['out_dir'], ck.get('world', 1))}")
+
+
 def main(argv):
     """Fold --ckpt into --out and print the check; returns the report as a dict."""
     cfg = configure(argv, globals(), validate=validate)
@@ -216,7 +226,7 @@ def main(argv):
     try:
         sd, args = fold_state_dict(ck['model'], ck['model_args'])
     except FoldError as e:
-        raise SystemExit(f"cannot fold {cfg.ckpt}: {e}")
+        raise SystemExit(f"cannot fold {cfg.ckpt}: {e}{unfinished(ck)}")
     folded = model_from_state_dict(sd, args).to(dev)
 
     tokens, source = check_batch(ck, cfg.batch_size, cfg.seed)

@@ -480,3 +480,20 @@ def test_sample_starts_from_end_of_text_and_warns_about_unk_prompts(trained, cap
     assert len(err) == 1 and err[0].startswith('warning: ') and "reach the model as <unk>" in err[0]
     share = int(err[0].split('%')[0].removeprefix('warning: '))
     assert 50 <= share < 100  # most of it, but 'the' is in the vocabulary
+
+
+def test_fold_of_a_stopped_run_says_how_to_finish_it(trained, tmp_path):
+    """A run stopped mid-taper (Ctrl-C, a time limit) cannot fold; the message gives the command
+    that finishes it. A checkpoint at its run's last step gets no such sentence."""
+    ck = torch.load(trained, weights_only=False)
+    ck['model']['gate'] = torch.tensor(0.5)
+    for it, says in ((9, True), (20, False)):
+        ck['iter_num'] = it
+        path = tmp_path / f'at{it}.pt'
+        save_checkpoint(ck, str(path))
+        with pytest.raises(SystemExit) as e:
+            fold.main([f'--ckpt={path}', f'--out={tmp_path / "folded.pt"}'])
+        assert 'in the taper phase (g = 0.5)' in str(e.value.code)
+        finish = (f"Its run stopped at iteration 9 of 20; finish it with: python train.py --init_from=resume "
+                  f"--out_dir={trained.parent}")
+        assert str(e.value.code).endswith(finish) if says else 'finish it' not in str(e.value.code)
