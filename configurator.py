@@ -254,7 +254,9 @@ def resolve_device(device, dtype='auto', local_rank=None):
             raise SystemExit(f"config error: device={device!r}: this machine has {have}; use one of those")
         device = f'cuda:{index}'
     if dtype == 'auto':
-        dtype = 'bfloat16' if kind == 'cuda' and torch.cuda.is_bf16_supported() else 'float32'
+        # bf16 natively from Ampere (sm 8.0) on; torch.cuda.is_bf16_supported() also says yes to older
+        # GPUs that emulate it slowly (and asks the current device, not this one)
+        dtype = 'bfloat16' if kind == 'cuda' and torch.cuda.get_device_capability(device) >= (8, 0) else 'float32'
     if dtype not in ('float32', 'bfloat16', 'float16'):
         raise SystemExit(f"config error: dtype={dtype!r}: choose 'auto', 'float32', 'bfloat16' or 'float16'")
     return device, dtype

@@ -42,7 +42,8 @@ def stand_in_cuda(monkeypatch):
         return stand_in
 
     for name, result in [('set_device', None), ('synchronize', None), ('get_device_name', 'Stand-in GPU'),
-                         ('reset_peak_memory_stats', None), ('memory_allocated', 0), ('max_memory_allocated', 0)]:
+                         ('reset_peak_memory_stats', None), ('memory_allocated', 0), ('max_memory_allocated', 0),
+                         ('get_device_capability', (9, 0))]:
         monkeypatch.setattr(torch.cuda, name, takes_device(name, result))
     for name, result in [('is_available', True), ('device_count', 1), ('current_device', 0),
                          ('is_bf16_supported', True)]:
@@ -74,7 +75,7 @@ def test_every_script_sets_up_cuda_with_an_indexed_device(device, stand_in_cuda,
         with pytest.raises(FirstCudaTensor):  # not ValueError: Expected a torch.device with a specified index
             run()
         if name in ('train', 'bench', 'bench --mode=train'):  # they make the device current: synchronize() and NCCL then use it
-            assert stand_in_cuda == [('set_device', 'cuda:0')], name
+            assert stand_in_cuda == [('get_device_capability', 'cuda:0'), ('set_device', 'cuda:0')], name
     # the study records where each cell ran, resolving the cell's device as train.py does
     record = study.provenance({'wall_s': 1.0}, 1, ['--dataset=toy', f'--device={device}', '--dtype=float32'])
     assert (record['device'], record['dtype'], record['tf32']) == ('cuda:0: Stand-in GPU', 'float32', False)
@@ -88,6 +89,17 @@ def test_under_ddp_every_rank_takes_the_device_of_its_local_rank(device, stand_i
     assert configurator.resolve_device(device, 'auto', local_rank=1) == ('cuda:1', 'bfloat16')
     assert configurator.resolve_device(device, 'auto', local_rank=0) == ('cuda:0', 'bfloat16')
     assert configurator.resolve_device('cuda:1') == ('cuda:1', 'bfloat16')  # without DDP, the index given
+
+
+def test_auto_dtype_is_bf16_only_on_a_gpu_that_has_it_natively_asking_that_gpu(stand_in_cuda, monkeypatch):
+    """dtype='auto': bf16 from compute capability 8.0 (Ampere) on, float32 on a V100 (7.0) or T4
+    (7.5), which emulate bf16; the capability asked is the resolved device's (rank 1: cuda:1)."""
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
+    for capability, dtype in (((7, 0), 'float32'), ((7, 5), 'float32'), ((8, 0), 'bfloat16')):
+        monkeypatch.setattr(torch.cuda, 'get_device_capability',
+                            lambda device=None, c=capability: stand_in_cuda.append(('capability', device)) or c)
+        assert configurator.resolve_device('cuda', 'auto', local_rank=1) == ('cuda:1', dtype)
+    assert stand_in_cuda[-1] == ('capability', 'cuda:1')
 
 
 def test_a_cuda_index_the_machine_lacks_is_refused_in_one_line_naming_the_devices(stand_in_cuda, monkeypatch):
