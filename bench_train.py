@@ -256,6 +256,9 @@ def print_table(results, sched, projection):
 def main(cfg, arch, flags):
     """bench.py --mode=train with bench.py's configuration cfg, its model shape arch and compile flags
     ([False], [True] or both); returns the JSON record printed on the last line."""
+    if cfg.dtype == 'float16':  # setup's autocast is bf16 for any 16-bit dtype: the rows would say float16
+        raise SystemExit("config error: --mode=train times train.py's steps, in bfloat16 or float32 (float16 "
+                         "would need a GradScaler, which train.py does not use): choose --dtype=bfloat16 or float32")
     sched = schedule(cfg)
     env = setup(SimpleNamespace(device=cfg.device, dtype=cfg.dtype, backend='auto', compile=False))
     if True in flags:

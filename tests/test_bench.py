@@ -148,6 +148,7 @@ def test_a_norm_free_checkpoint_is_refused_with_the_reason(tmp_path, norm, why):
     (['--size=', '--n_layer=2', '--n_head=3', '--n_embd=32'], 'not divisible by n_head=3'),
     (['--ckpt_path=x.pt'], "unknown config key 'ckpt_path'; did you mean --ckpt"),
     (['--ckpt=nowhere.pt', '--size=1M', '--compile=eager'], 'not found'),
+    (['--mode=train', '--dtype=float16'], 'choose --dtype=bfloat16 or float32'),
 ])
 def test_bad_settings_name_the_fix(args, message):
     with pytest.raises(SystemExit, match=message):
