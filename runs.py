@@ -8,6 +8,7 @@ atomically, read by one loader, a model built from one). From a user's side they
 docs/runs.md.
 """
 
+import atexit
 import dataclasses
 import datetime
 import functools
@@ -314,6 +315,7 @@ def setup(cfg):
     if ddp:
         be = ('nccl' if device_type == 'cuda' else 'gloo') if cfg.backend == 'auto' else cfg.backend
         torch.distributed.init_process_group(backend=be, timeout=DDP_TIMEOUT)
+        atexit.register(leave_gloo_group)
     tf32 = set_tf32(dev, dt)
     autocast = nullcontext() if dt == 'float32' else torch.autocast(device_type=device_type, dtype=torch.bfloat16)
     return SimpleNamespace(dev=dev, dtype=dt, tf32=tf32, device_type=device_type, ddp=ddp, rank=rank,
@@ -343,6 +345,18 @@ def end_processes(env):
     active exception", SIGABRT): gloo's threads outlive the interpreter."""
     if env.ddp:
         torch.distributed.barrier(device_ids=[env.local_rank] if env.device_type == 'cuda' else None)
+        torch.distributed.destroy_process_group()
+
+
+def leave_gloo_group():
+    """At exit (atexit, registered by setup under DDP): a gloo process group still alive goes, so that
+    its threads do not outlive the interpreter, where they abort the rank now and then ("terminate
+    called without an active exception", SIGABRT; pytorch/pytorch#190489). It is alive after a config
+    error every rank raised before `with run` (check_one_pass, a vocab mismatch, check_same_world) and
+    after an error raised inside it (Run ends the group only for an end its ranks agreed on). gloo's
+    teardown is this rank's alone; NCCL's flushes with the other ranks (a hang if one is gone), so an
+    NCCL group is left to PyTorch's own exit."""
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == 'gloo':
         torch.distributed.destroy_process_group()
 
 

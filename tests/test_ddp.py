@@ -153,3 +153,34 @@ def test_ctrl_c_during_rank_0s_evaluation_ends_every_rank_in_one_line(toy_data, 
     assert ends[1][1] == ''  # rank 1 says nothing: rank 0 speaks for the run
     assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 0
     assert not (out / 'log.jsonl').exists() or read_log(out) == []  # nothing of iteration 0 is logged
+
+
+@pytest.mark.skipif(not localhost_works(), reason='cannot open a TCP connection to localhost: no loopback networking')
+def test_a_config_error_after_the_process_group_exists_leaves_no_gloo_group_alive_at_exit(toy_data, tmp_path):
+    """sampler='epoch' with more steps than one pass holds fails after setup() made the gloo group
+    and before `with run`, which ends the group only for a run's own end. A rank that exits with
+    the group alive aborts now and then (SIGABRT) as gloo's threads outlive the interpreter, so the
+    group must be gone by then: a handler registered before train.py's runs last (atexit is last
+    in, first out) and reports what it sees. One process with WORLD_SIZE=1, as torchrun starts it."""
+    args = toy_args(toy_data, tmp_path / 'out', backend='gloo', sampler='epoch', max_iters=10 ** 6)
+    probe = ("import atexit, runpy, sys, torch; "
+             "atexit.register(lambda: print('group alive at exit:', torch.distributed.is_initialized())); "
+             f"sys.argv = [{str(ROOT / 'train.py')!r}, *sys.argv[1:]]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    env = dict(os.environ, OMP_NUM_THREADS='1', RANK='0', LOCAL_RANK='0', WORLD_SIZE='1', LOCAL_WORLD_SIZE='1',
+               MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, '-c', probe, *args], env=env, text=True, capture_output=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.startswith("sampler='epoch': max_iters=1000000 steps"), proc.stderr
+    assert proc.stdout.splitlines()[-1] == 'group alive at exit: False'
+
+
+def test_only_a_gloo_group_is_ended_at_exit(monkeypatch):
+    """NCCL's teardown flushes with the other ranks, a hang when one has gone: runs.leave_gloo_group,
+    which may run on a rank that is alone, leaves an NCCL group to PyTorch's own exit."""
+    import runs
+    ended = []
+    monkeypatch.setattr(torch.distributed, 'is_initialized', lambda: True)
+    monkeypatch.setattr(torch.distributed, 'destroy_process_group', lambda: ended.append(backend))
+    for backend in ('gloo', 'nccl'):
+        monkeypatch.setattr(torch.distributed, 'get_backend', lambda: backend)
+        runs.leave_gloo_group()
+    assert ended == ['gloo']
