@@ -41,6 +41,15 @@ def _transformers():
     return transformers
 
 
+def load_error(what, name_or_folder, e):
+    """The PretrainedError for a config or weights transformers could not read: for a GPT-2 name
+    (downloaded, so often a machine offline) it says how to train from a folder instead."""
+    offline = ("; offline, give init_from a folder holding config.json and the weights, saved on a machine "
+               f"online by transformers (GPT2LMHeadModel.from_pretrained({GPT2_HUB[name_or_folder]!r})"
+               ".save_pretrained(folder)): train.py --init_from=/path/to/folder") if name_or_folder in GPT2_HUB else ''
+    return PretrainedError(f"cannot {what} of {name_or_folder} ({_first_line(e)}){offline}")
+
+
 def pretrained_config(name_or_folder):
     """GPTConfig fields of a GPT-2 checkpoint from its config alone (no weights are read): n_layer,
     n_head, n_embd, vocab_size, block_size = n_positions, bias=True, norm='layernorm', norm_eps =
@@ -55,8 +64,7 @@ def pretrained_config(name_or_folder):
     try:
         hf = tf.AutoConfig.from_pretrained(GPT2_HUB.get(name_or_folder, name_or_folder))
     except Exception as e:
-        raise PretrainedError(f"cannot read the config of {name_or_folder} ({_first_line(e)}); offline, "
-                              "pass a folder holding config.json and the weights") from None
+        raise load_error('read the config', name_or_folder, e) from None
     if not isinstance(hf, tf.GPT2Config):
         raise PretrainedError(f"{name_or_folder} holds a {type(hf).__name__}, not a GPT-2 (GPT2Config)")
     unsupported = [f"{key}={value!r}" for key, value, ok in (
@@ -155,8 +163,7 @@ def from_pretrained(name_or_folder, overrides=None):
     try:
         hf = tf.GPT2LMHeadModel.from_pretrained(GPT2_HUB.get(name_or_folder, name_or_folder))
     except Exception as e:  # no weights, offline, corrupt files: one line
-        raise PretrainedError(f"cannot load the weights of {name_or_folder} ({_first_line(e)}); "
-                              "offline, pass a folder holding config.json and the weights") from None
+        raise load_error('load the weights', name_or_folder, e) from None
     model = GPT(GPTConfig(**args))
     sd = {}
     for key, value in hf.state_dict().items():

@@ -154,6 +154,27 @@ def test_what_cannot_be_loaded_says_why(tmp_path):
         from_pretrained(str(tmp_path))
 
 
+@needs_transformers
+def test_a_gpt2_name_that_cannot_be_read_offline_says_how_to_train_from_a_folder(monkeypatch, tmp_path):
+    """Offline, transformers cannot download 'gpt2': the one line train.py prints names the folder route,
+    and a folder that cannot be read does not get that advice (it is no download)."""
+    import transformers
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files\nand more")
+    monkeypatch.setattr(transformers.AutoConfig, 'from_pretrained', offline)
+    with pytest.raises(PretrainedError) as e:
+        pretrained_args('gpt2-medium')
+    assert str(e.value) == (
+        "cannot read the config of gpt2-medium (We couldn't connect to 'https://huggingface.co' to load the "
+        "files); offline, give init_from a folder holding config.json and the weights, saved on a machine online by "
+        "transformers (GPT2LMHeadModel.from_pretrained('openai-community/gpt2-medium').save_pretrained(folder)): "
+        "train.py --init_from=/path/to/folder")
+    (tmp_path / 'config.json').write_text('{}')
+    with pytest.raises(PretrainedError, match=r"^cannot read the config of .*\)$"):
+        pretrained_args(str(tmp_path))
+
+
 def test_without_transformers_the_error_says_pip_install_transformers(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, 'transformers', None)  # not installed: import fails
     (tmp_path / 'config.json').write_text('{}')
