@@ -214,6 +214,9 @@ def part4_blocks(best, ema_best, dyt_best):
 # tokens, where part 3's best rates were no larger than at 3M, the grid moves down to 2e-3-8e-3
 RUNG_POINTS = (('3M', '3M'), ('3M', '9M'))
 RUNG_LRS = {('3M', '3M'): (2e-3, 4e-3, 8e-3, 1.6e-2), ('3M', '9M'): (2e-3, 4e-3, 8e-3)}
+# part 5: at 9M tokens the baseline was best at that grid's top edge (3.9977, 3.9466, 3.9353 at 2e-3,
+# 4e-3, 8e-3), so its grid there extends to 1.6e-2 ('ema' Internal-Taper: 3.9319, 3.8774 at 2e-3, 4e-3)
+RUNG_EDGE = {('3M', '9M'): {'baseline': (1.6e-2,)}}
 # part 5: seeds 2 and 3 of both variants at their bracketed best rate of each 3M point, entered as
 # each grid finishes (at 3M tokens both were best at 4e-3: baseline 4.5695, 4.4429, 4.5689 at
 # 2e-3, 4e-3, 8e-3; 'ema' 4.4306, 4.3133, 4.4021)
@@ -304,6 +307,8 @@ MATRICES = {
                   for n, a in ladder_cells(('baseline', 'internal'), size, budget, LADDER_LRS[size, budget]).items()},
                **ladder_blocks(LADDER_BEST), **ema_grid(LADDER_BEST), **part4_blocks(LADDER_BEST, EMA_BEST, DYT_BEST),
                **{n: a for p in RUNG_POINTS for n, a in ladder_cells(('baseline', 'internal_ema'), *p, RUNG_LRS[p]).items()},
+               **{n: a for p, by_v in RUNG_EDGE.items() for v, lrs in by_v.items()
+                  for n, a in ladder_cells((v,), *p, lrs).items()},
                **best_seeds(RUNG_BEST),
                **{n: a for p in LONG_POINTS for n, a in ladder_cells(('derf',), *p, DERF_LRS[p]).items()},
                **best_seeds({p: {'derf': lr} for p, lr in DERF_BEST.items()}),
