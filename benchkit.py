@@ -116,4 +116,5 @@ def print_conditions(c):
           f"load average (1, 5, 15 min)={load}")
     if c['busy']:
         print(f"  warning: the machine is busy (1-minute load {c['load'][0]:.2f} > {BUSY_LOAD_PER_THREAD} × "
-              f"{c['threads']} threads): ratios are unreliable; time on an idle machine")
+              f"{c['threads']} threads): ratios are unreliable; time on an idle machine (the average trails: "
+              "a job that ended within the last minute still counts in it)")
