@@ -217,10 +217,19 @@ RUNG_LRS = {('3M', '3M'): (2e-3, 4e-3, 8e-3, 1.6e-2), ('3M', '9M'): (2e-3, 4e-3,
 # part 5: at 9M tokens the baseline was best at that grid's top edge (3.9977, 3.9466, 3.9353 at 2e-3,
 # 4e-3, 8e-3), so its grid there extends to 1.6e-2 ('ema' Internal-Taper: 3.9319, 3.8774 at 2e-3, 4e-3)
 RUNG_EDGE = {('3M', '9M'): {'baseline': (1.6e-2,)}}
+
+
+def rung_cells(point):
+    """The 3M rung's seed-1 grid at point (size, budget): the baseline and 'ema' Internal-Taper at
+    RUNG_LRS[point], and a variant's extra rates in RUNG_EDGE; {name: train.py args}."""
+    return {**ladder_cells(('baseline', 'internal_ema'), *point, RUNG_LRS[point]),
+            **{n: a for v, lrs in RUNG_EDGE.get(point, {}).items() for n, a in ladder_cells((v,), *point, lrs).items()}}
 # part 5: seeds 2 and 3 of both variants at their bracketed best rate of each 3M point, entered as
 # each grid finishes (at 3M tokens both were best at 4e-3: baseline 4.5695, 4.4429, 4.5689 at
-# 2e-3, 4e-3, 8e-3; 'ema' 4.4306, 4.3133, 4.4021)
-RUNG_BEST = {('3M', '3M'): {'baseline': 4e-3, 'internal_ema': 4e-3}}
+# 2e-3, 4e-3, 8e-3; 'ema' 4.4306, 4.3133, 4.4021; at 9M tokens the baseline at 8e-3: 3.9977, 3.9466,
+# 3.9353, 3.9426 at 2e-3-1.6e-2; 'ema' at 4e-3: 3.9319, 3.8774, 3.9233 at 2e-3-8e-3)
+RUNG_BEST = {('3M', '3M'): {'baseline': 4e-3, 'internal_ema': 4e-3},
+             ('3M', '9M'): {'baseline': 8e-3, 'internal_ema': 4e-3}}
 
 
 # part 5: Derf (baselines.Derf) at the long points, seed 1, on DyT's grids (DYT_LRS: its best rate is
@@ -306,9 +315,7 @@ MATRICES = {
                **{n: a for size, budget in LADDER_POINTS
                   for n, a in ladder_cells(('baseline', 'internal'), size, budget, LADDER_LRS[size, budget]).items()},
                **ladder_blocks(LADDER_BEST), **ema_grid(LADDER_BEST), **part4_blocks(LADDER_BEST, EMA_BEST, DYT_BEST),
-               **{n: a for p in RUNG_POINTS for n, a in ladder_cells(('baseline', 'internal_ema'), *p, RUNG_LRS[p]).items()},
-               **{n: a for p, by_v in RUNG_EDGE.items() for v, lrs in by_v.items()
-                  for n, a in ladder_cells((v,), *p, lrs).items()},
+               **{n: a for p in RUNG_POINTS for n, a in rung_cells(p).items()},
                **best_seeds(RUNG_BEST),
                **{n: a for p in LONG_POINTS for n, a in ladder_cells(('derf',), *p, DERF_LRS[p]).items()},
                **best_seeds({p: {'derf': lr} for p, lr in DERF_BEST.items()}),

@@ -294,12 +294,13 @@ def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_o
         assert cfg['dyt_alpha0_scale'] == (2.0 if v == 'dyt_a2' else 1.0), name
     # block 7, the 3M rung: two variants at 2e-3-1.6e-2 (3M tokens) and 2e-3-8e-3 (9M), seed 1; part 5's seeds
     # 2 and 3 at 3M tokens at both variants' best 4e-3; the baseline's grid at 9M tokens up to 1.6e-2
-    # (it was best at 8e-3, the edge); nothing else
+    # (it was best at 8e-3, the edge); seeds 2 and 3 at 9M tokens at the bracketed bests (8e-3, 4e-3); nothing else
     rung = {n for n in cells if n.split('-')[1] == '3M'}
     assert rung == {f'{v}-3M-{t}-lr{lr}-s1' for v in ('baseline', 'internal_ema')
                     for t, lrs in (('t3M', ('0.002', '0.004', '0.008', '0.016')), ('t9M', ('0.002', '0.004', '0.008')))
                     for lr in lrs} | {f'{v}-3M-t3M-lr0.004-s{s}' for v in ('baseline', 'internal_ema') for s in (2, 3)} \
-        | {'baseline-3M-t9M-lr0.016-s1'}
+        | {'baseline-3M-t9M-lr0.016-s1'} \
+        | {f'{v}-3M-t9M-lr{lr}-s{s}' for v, lr in (('baseline', '0.008'), ('internal_ema', '0.004')) for s in (2, 3)}
     # the longest run still fits in one pass of mix7's 18,508,995 training tokens (the refusal is train.py's)
     assert max(study.cell_config(a)['max_iters'] for a in cells.values()) * 16 <= (18_508_995 - 1) // 128
 
@@ -766,12 +767,13 @@ def test_the_declared_3m_rung_rates_are_bracketed_bests():
     with open(os.path.join(study.ROOT, 'study', 'results.json')) as f:
         cells = json.load(f)['cells']
     for point, rates in study.RUNG_BEST.items():
-        grid = study.ladder_cells(tuple(rates), *point, study.RUNG_LRS[point])
+        grid = study.rung_cells(point)
         found = study.ladder_best({n: c for n, c in cells.items() if n in grid}, grid)[point]
         for v, lr in rates.items():
             assert found[v][0] == lr and found[v][2] == '', (v, point)
-    assert set(study.best_seeds(study.RUNG_BEST)) == {f'{v}-3M-t3M-lr0.004-s{s}' for v in ('baseline', 'internal_ema')
-                                                      for s in (2, 3)}
+    assert set(study.best_seeds(study.RUNG_BEST)) == {f'{v}-3M-t{t}-lr{lr}-s{s}' for t, v, lr in (
+        ('3M', 'baseline', '0.004'), ('3M', 'internal_ema', '0.004'), ('9M', 'baseline', '0.008'),
+        ('9M', 'internal_ema', '0.004')) for s in (2, 3)}
 
 
 def test_the_gap_plot_draws_each_gap_with_its_95_interval_against_tokens_per_non_embedding_parameter(tmp_path,
