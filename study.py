@@ -224,6 +224,8 @@ def rung_cells(point):
     RUNG_LRS[point], and a variant's extra rates in RUNG_EDGE; {name: train.py args}."""
     return {**ladder_cells(('baseline', 'internal_ema'), *point, RUNG_LRS[point]),
             **{n: a for v, lrs in RUNG_EDGE.get(point, {}).items() for n, a in ladder_cells((v,), *point, lrs).items()}}
+
+
 # part 5: seeds 2 and 3 of both variants at their bracketed best rate of each 3M point, entered as
 # each grid finishes (at 3M tokens both were best at 4e-3: baseline 4.5695, 4.4429, 4.5689 at
 # 2e-3, 4e-3, 8e-3; 'ema' 4.4306, 4.3133, 4.4021; at 9M tokens the baseline at 8e-3: 3.9977, 3.9466,
