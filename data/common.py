@@ -22,6 +22,7 @@ How a dataset is made (both scripts):
 vocab_size = 0 keeps the full GPT-2 vocabulary (50257 ids, identity mapping, unk_id null).
 """
 
+import contextlib
 import itertools
 import json
 import multiprocessing
@@ -291,6 +292,27 @@ def _remap(segments, lut, unk_id, out_path):
         if os.path.exists(tmp):
             os.remove(tmp)
     return n, n_unk
+
+
+@contextlib.contextmanager
+def scratch_files(out_dir, *names):
+    """Create out_dir if needed and yield {name: path} of the pass-1 files NAME.gpt2.tmp in it.
+
+    On exit, whether the block succeeded or raised, the pass-1 files are removed, and out_dir too
+    if this call created it and it is still empty: a first run that fails (offline, a bad input)
+    leaves no empty data/<name>/ behind. A folder that existed before is always kept.
+    """
+    created = not os.path.isdir(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {name: os.path.join(out_dir, f"{name}.gpt2.tmp") for name in names}
+    try:
+        yield paths
+    finally:
+        for path in paths.values():
+            if os.path.exists(path):
+                os.remove(path)
+        if created and not os.listdir(out_dir):
+            os.rmdir(out_dir)
 
 
 def write_dataset(out_dir, splits, vocab_size, sources, skipped_empty_docs=0):

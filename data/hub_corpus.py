@@ -80,12 +80,10 @@ def main(argv, name, repo, description):
         docs, sources = read_stories(args.input), args.input
     else:
         docs, sources = hub_documents(repo, name), [f"https://huggingface.co/datasets/{repo}"]
-    os.makedirs(args.out_dir, exist_ok=True)
-
     t0 = time.time()
-    tmp = os.path.join(args.out_dir, "stream.gpt2.tmp")
-    try:
+    with common.scratch_files(args.out_dir, "stream") as scratch:
         # one stream, one pass-1 file: the validation documents first, the training ones after them
+        tmp = scratch["stream"]
         limit = args.val_tokens + args.max_tokens
         ends, skipped = common.encode_documents(docs, tmp, desc="encode", batch_chars=BATCH_CHARS, max_tokens=limit)
         i = np.searchsorted(ends, args.val_tokens)  # the first document end at or past val_tokens
@@ -100,8 +98,5 @@ def main(argv, name, repo, description):
                              f"past --val_tokens, more than --max_tokens={args.max_tokens:,}")
         splits = {"train": [(tmp, val_end, int(ends[j]))], "val": [(tmp, 0, val_end)]}
         meta = common.write_dataset(args.out_dir, splits, 0, sources, skipped)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     common.report(meta, args.out_dir, time.time() - t0)
     return meta

@@ -639,7 +639,13 @@ def test_prepare_offline_names_the_exact_local_command(tmp_path, monkeypatch):
 
     fake_datasets(monkeypatch, broken(), [])
     with pytest.raises(SystemExit) as e:
-        owt.main([f'--out_dir={tmp_path}'])
+        owt.main([f'--out_dir={tmp_path / "new"}'])
+    assert not (tmp_path / 'new').exists()  # a failed first run leaves no empty data/<name>/ behind
+    (tmp_path / 'mine').mkdir()
+    fake_datasets(monkeypatch, broken(), [])
+    with pytest.raises(SystemExit, match='cannot stream'):
+        owt.main([f'--out_dir={tmp_path / "mine"}'])
+    assert (tmp_path / 'mine').is_dir()  # a folder the user made stays
     msg = str(e.value)
     assert 'cannot stream Skylion007/openwebtext from the Hugging Face hub (ConnectionError: network is unreachable)' in msg
     assert 'python data/openwebtext/prepare.py --input=PATH/TO/openwebtext.jsonl' in msg

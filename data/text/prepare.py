@@ -180,11 +180,8 @@ def main(argv=None):
     if not args.input:
         paths = download_corpus(args.name)
         sources = [url for _, url in PUBLIC_CORPORA[args.name]]
-    os.makedirs(out_dir, exist_ok=True)
-
     t0 = time.time()
-    tmp = {split: os.path.join(out_dir, f"{split}.gpt2.tmp") for split in ("train", "val")}
-    try:
+    with common.scratch_files(out_dir, "train", "val") as tmp:
         # the files are read twice (once per split) rather than kept: a corpus may be large
         for i, split in enumerate(("train", "val")):
             docs = (doc for path in paths for doc in read_split(path)[i])
@@ -192,10 +189,6 @@ def main(argv=None):
         splits = {split: [(tmp[split], 0, os.path.getsize(tmp[split]) // 2)]
                   for split in ("train", "val")}
         meta = common.write_dataset(out_dir, splits, args.vocab_size, sources)
-    finally:
-        for path in tmp.values():
-            if os.path.exists(path):
-                os.remove(path)
     common.report(meta, out_dir, time.time() - t0)
     return meta
 

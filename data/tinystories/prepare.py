@@ -145,11 +145,8 @@ def main(argv=None):
     if not train_files:
         raise SystemExit(f"all inputs are validation files (name contains 'valid'): {val_files}; "
                          f"add the training file.\n{OFFLINE_HELP}")
-    os.makedirs(args.out_dir, exist_ok=True)
-
     t0 = time.time()
-    tmp = {split: os.path.join(args.out_dir, f"{split}.gpt2.tmp") for split in ("train", "val")}
-    try:
+    with common.scratch_files(args.out_dir, "train", "val") as tmp:
         doc_ends, skipped = common.encode_documents(read_stories(train_files), tmp["train"],
                                                     desc="train")
         n_train = int(doc_ends[-1]) if len(doc_ends) else 0
@@ -168,10 +165,6 @@ def main(argv=None):
                   "are the validation split")
             splits = {"train": [(tmp["train"], 0, cut)], "val": [(tmp["train"], cut, n_train)]}
         meta = common.write_dataset(args.out_dir, splits, args.vocab_size, sources, skipped)
-    finally:
-        for path in tmp.values():
-            if os.path.exists(path):
-                os.remove(path)
     common.report(meta, args.out_dir, time.time() - t0)
     return meta
 
