@@ -266,6 +266,20 @@ def best_seeds(best):
             for n, a in point_cells(v, p, (lr,), (2, 3)).items()}
 
 
+# part 6: the 1M and 3M models at one full pass of mix7's training split (18M: 9,000 steps, 18.4M
+# tokens), the baseline and 'ema' Internal-Taper, seed 1, on a grid around each size's 9M-token best
+# rates (1M: 8e-3 for both; 3M: baseline 8e-3, 'ema' 4e-3), so that a best at an edge says which way
+# to extend; the √2 midpoints, seeds 2-3 and All-Taper follow once each grid is bracketed
+FULL_POINTS = (('1M', '18M'), ('3M', '18M'))
+FULL_LRS = {('1M', '18M'): (4e-3, 8e-3, 1.6e-2), ('3M', '18M'): (2e-3, 4e-3, 8e-3)}
+
+
+def full_pass_cells(point):
+    """Part 6's seed-1 grid at point (size, '18M'): the baseline and 'ema' Internal-Taper at
+    FULL_LRS[point]; {name: train.py args}."""
+    return ladder_cells(('baseline', 'internal_ema'), *point, FULL_LRS[point])
+
+
 LRS = (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)  # 1.6e-2: the baseline was still improving at 8e-3
 SHORT = ['--gate_warmup_iters=20', '--taper_iters=50']  # W = 20, T = 50 in the same 1500-step run
 MATRICES = {
@@ -321,7 +335,8 @@ MATRICES = {
                **best_seeds(RUNG_BEST),
                **{n: a for p in LONG_POINTS for n, a in ladder_cells(('derf',), *p, DERF_LRS[p]).items()},
                **best_seeds({p: {'derf': lr} for p, lr in DERF_BEST.items()}),
-               **warmup25_cells()},
+               **warmup25_cells(),
+               **{n: a for p in FULL_POINTS for n, a in full_pass_cells(p).items()}},
     # a two-cell matrix of a few seconds on the toy data of the tests
     'tiny': {f'{v}-end-s1': ['--dataset=toy', '--device=cpu', '--n_layer=1', '--n_head=1', '--n_embd=16',
                              '--block_size=16', '--batch_size=2', '--gradient_accumulation_steps=1',

@@ -266,8 +266,9 @@ def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_o
     tokens_per_step = 16 * 128  # config/cpu.py: batch 16 × context 128, one process
     cells = study.MATRICES['ladder']
     part4 = study.part4_blocks(study.LADDER_BEST, study.EMA_BEST, study.DYT_BEST)  # block 3's midpoints
+    full = {n for n in cells if n.split('-')[1:3] in (['1M', 't18M'], ['3M', 't18M'])}  # part 6
     block1 = [n for n in cells if n.split('-')[0] in ('baseline', 'internal') and n.endswith('-s1') and n not in part4
-              and n.split('-')[1] != '3M']
+              and n.split('-')[1] != '3M' and n not in full]
     assert len(block1) == 2 * (4 * 3 + 2)  # two variants × four points × three rates, two points a fourth
     for name, args in cells.items():
         cfg = study.cell_config(args)
@@ -295,12 +296,17 @@ def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_o
     # block 7, the 3M rung: two variants at 2e-3-1.6e-2 (3M tokens) and 2e-3-8e-3 (9M), seed 1; part 5's seeds
     # 2 and 3 at 3M tokens at both variants' best 4e-3; the baseline's grid at 9M tokens up to 1.6e-2
     # (it was best at 8e-3, the edge); seeds 2 and 3 at 9M tokens at the bracketed bests (8e-3, 4e-3); nothing else
-    rung = {n for n in cells if n.split('-')[1] == '3M'}
+    rung = {n for n in cells if n.split('-')[1] == '3M'} - full
     assert rung == {f'{v}-3M-{t}-lr{lr}-s1' for v in ('baseline', 'internal_ema')
                     for t, lrs in (('t3M', ('0.002', '0.004', '0.008', '0.016')), ('t9M', ('0.002', '0.004', '0.008')))
                     for lr in lrs} | {f'{v}-3M-t3M-lr0.004-s{s}' for v in ('baseline', 'internal_ema') for s in (2, 3)} \
         | {'baseline-3M-t9M-lr0.016-s1'} \
         | {f'{v}-3M-t9M-lr{lr}-s{s}' for v, lr in (('baseline', '0.008'), ('internal_ema', '0.004')) for s in (2, 3)}
+    # part 6, one full pass: both variants on a three-rate grid (seed 1) at each size's 9M-token bests,
+    # halved and doubled (1M: 8e-3 for both; 3M: 8e-3 and 4e-3, so 2e-3-8e-3 covers both)
+    assert full == {f'{v}-{size}-t18M-lr{lr}-s1' for v in ('baseline', 'internal_ema')
+                    for size, lrs in (('1M', ('0.004', '0.008', '0.016')), ('3M', ('0.002', '0.004', '0.008')))
+                    for lr in lrs}
     # the longest run still fits in one pass of mix7's 18,508,995 training tokens (the refusal is train.py's)
     assert max(study.cell_config(a)['max_iters'] for a in cells.values()) * 16 <= (18_508_995 - 1) // 128
 
