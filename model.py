@@ -456,7 +456,7 @@ class GPT(nn.Module):
         self.last_metrics = None
         self.collect = None  # see set_collect
         self.register_buffer('radial_sink', torch.zeros((), requires_grad=True), persistent=False)
-        self.register_buffer('causal_mask', None, persistent=False)  # (T_max, T_max) bool, by setup_caches
+        self.register_buffer('causal_mask', None, persistent=False)  # (T_max, T_max) additive, by setup_caches
         self.set_phase('baseline' if config.taper == 'none' else 'warmup')
 
         self.apply(self._init_weights)
@@ -666,6 +666,11 @@ class GPT(nn.Module):
         """Allocate a static KV cache per layer, (batch_size, n_head, max_seq_len, head_dim),
         in the dtype and device of the weights, and the (max_seq_len, max_seq_len) causal mask.
 
+        The mask is additive (0 where a query may attend, −inf where it may not) and, like the
+        caches, a floating buffer that follows the weights' dtype through `.to()`: the form SDPA
+        adds to its scores as it is. A bool mask would be converted to that form by every layer's
+        SDPA call on every step (a `where` and two `scalar_tensor`s per layer).
+
         Raises ValueError if max_seq_len > block_size (the position embedding ends there).
         """
         cfg = self.config
@@ -676,7 +681,7 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             block.attn.kv_cache = KVCache(batch_size, cfg.n_head, max_seq_len, cfg.n_embd // cfg.n_head,
                                           w.dtype, w.device)
-        self.causal_mask = torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=w.device).tril()
+        self.causal_mask = torch.full((max_seq_len, max_seq_len), float('-inf'), dtype=w.dtype, device=w.device).triu(1)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):

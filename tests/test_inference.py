@@ -2,11 +2,14 @@
 
 import ast
 import copy
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import bench
 import configurator
@@ -157,6 +160,63 @@ def test_compiled_decode_step_never_recompiles():
     assert frames == [1] * 31  # one graph, compiled at the first step, never again
     assert torch.equal(torch.cat([prompt, tok, *rest], dim=1), greedy_full_recompute(model, prompt, 32))
     torch._dynamo.reset()
+
+
+class CountOps(TorchDispatchMode):
+    """The ATen ops run inside the mode, by name: `ops` the ones that compute or write, `views` the
+    ones whose result only aliases an input (their schema's return carries a read-only alias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.views = Counter(), Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        view = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+        (self.views if view else self.ops)[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def decode_step_ops(model):
+    """CountOps of one decode step (decode_one_token, greedy) after a 4-token prefill, batch 1."""
+    model.setup_caches(1, 16)
+    with torch.no_grad():
+        tok = prefill(model, torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(0)), torch.arange(4))
+        with CountOps() as counted:
+            decode_one_token(model, tok, torch.tensor([4]))
+    return counted
+
+
+def test_a_decode_step_runs_the_ops_counted_by_hand():
+    """Every variant bench.py times, its decode step's ops against counts worked by hand: per layer,
+    c_attn, c_proj, c_fc, c_proj (4 addmm), the K and V cache writes, SDPA, GELU and two residual
+    adds, plus what the layer's two norms cost: an RMSNorm its F.rms_norm ops (counted here on a
+    plain tensor), an unfused tapered norm one multiply by c·γ̃, a folded one nothing. In
+    particular no layer converts the causal mask (a bool mask costs SDPA a `where` and two
+    `scalar_tensor`s per layer, per step): the mask is built once, in the form SDPA adds."""
+    h, gain = torch.randn(1, 1, 32), torch.ones(32)
+    with CountOps() as rms:
+        F.rms_norm(h, (32,), gain, 1e-5)
+    assert not rms.views
+    rms, layer = rms.ops, Counter(addmm=4, index_copy_=2, gelu=1, add=2)
+    norms = {'baseline': rms + rms, 'internal_unfused': Counter(mul=2), 'internal_folded': Counter(),
+             'all_folded': Counter()}
+    counts = {}
+    for n_layer in (2, 3):
+        arch = dict(n_layer=n_layer, n_head=2, n_embd=32, vocab_size=64, block_size=16)
+        models, _ = bench.build_variants(arch, seed=0)
+        counts[n_layer] = {name: decode_step_ops(m) for name, m in models.items()}
+    for name, per_norms in norms.items():
+        three, two = counts[3][name], counts[2][name]
+        per_layer = three.ops - two.ops
+        sdpa = [op for op in per_layer if 'scaled_dot_product' in op]
+        assert len(sdpa) == 1 and per_layer.pop(sdpa[0]) == 1, (name, per_layer)
+        assert per_layer == layer + per_norms, name
+        assert not {'where', 'scalar_tensor', '_to_copy'} & set(three.ops), name
+    folded, unfolded = counts[3]['internal_folded'], counts[3]['internal_unfused']
+    assert unfolded.ops - folded.ops == Counter(mul=2 * 3) and not folded.ops - unfolded.ops
+    assert unfolded.views == folded.views
+    # All-Taper folded also drops the final RMSNorm; its untied head is the same one matmul
+    assert folded.ops - counts[3]['all_folded'].ops == rms and not counts[3]['all_folded'].ops - folded.ops
 
 
 # ---- sampling ---------------------------------------------------------------------------
