@@ -338,13 +338,26 @@ def compile_model(model):
     return torch.compile(model)
 
 
+# the Work of each run's final barrier, kept to the end of the process (end_processes says why)
+FINAL_BARRIERS = []
+
+
 def end_processes(env):
     """Under DDP, with every rank here (a run that ended, or stopped at a point its ranks agreed
     on): a barrier, then the process group goes. A rank that exits with its process group alive,
     or before the others are done, aborts now and then at exit ("terminate called without an
-    active exception", SIGABRT): gloo's threads outlive the interpreter."""
+    active exception", SIGABRT): gloo's threads outlive the interpreter.
+
+    The barrier's Work is kept (FINAL_BARRIERS), not dropped when barrier() returns. It holds the
+    run's last collectives, whose tensors are Python's. Dropped, its last reference could be the
+    gloo worker thread's, which frees it a moment after the wait ends, holding the group's work
+    lock and needing the GIL to free those tensors. If the main thread meanwhile frees the group
+    (DDP's reducer holds it, and goes when train.main returns), it holds the GIL and waits for
+    that lock: a deadlock, the rank hangs at its end (once in about 20 runs on 2 cores)."""
     if env.ddp:
-        torch.distributed.barrier(device_ids=[env.local_rank] if env.device_type == 'cuda' else None)
+        work = torch.distributed.barrier(async_op=True, device_ids=[env.local_rank] if env.device_type == 'cuda' else None)
+        work.wait()
+        FINAL_BARRIERS.append(work)
         torch.distributed.destroy_process_group()
 
 

@@ -1,5 +1,6 @@
 """Run by test_ddp.py under torchrun: train, then write this rank's calibration results and the
 statistics of the calibration tokens it saw, computed here in plain torch."""
+import faulthandler
 import json
 import os
 import sys
@@ -11,6 +12,12 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 import model as M  # noqa: E402
 import train  # noqa: E402
+
+# a rank still alive after HANG_S (a normal run takes 10-50 s) prints every thread's stack and exits 1, so that
+# torchrun ends and the test fails showing where the rank hung, not a bare timeout (a CI run once hung
+# here past the test's 300 s, with no trace of where); left armed through the interpreter's exit
+HANG_S = 150
+faulthandler.dump_traceback_later(HANG_S, exit=True)
 
 seen = {}  # TaperNorm -> [Σ_tokens x²/r(x), Σ_tokens x², tokens, γ at the calibrate event]
 observe = M.TaperNorm.observe

@@ -91,7 +91,11 @@ def test_a_compiled_two_process_run_keeps_the_ranks_identical(toy_data, tmp_path
         out = tmp_path / ('compiled' if compiled else 'uncompiled')
         args = toy_args(toy_data, out, backend='gloo', max_iters=10, gate_warmup_iters=3, taper_iters=4,
                         eval_interval=5, compile=compiled, dropout=0.0, n_embd=n_embd)
-        proc = subprocess.run([*torchrun, *args], capture_output=True, text=True, timeout=300, env=env)
+        try:
+            proc = subprocess.run([*torchrun, *args], capture_output=True, text=True, timeout=300, env=env)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f'torchrun (compile={compiled}) did not finish in {e.timeout} s: {(e.stdout or b"")[-1500:]!r} '
+                        f'{(e.stderr or b"")[-3000:]!r}')
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         runs[compiled] = [json.loads((out / f'rank{r}.json').read_text()) for r in (0, 1)], read_log(out)
     ranks, log = runs[True]

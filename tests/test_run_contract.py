@@ -41,8 +41,13 @@ def collectives(monkeypatch):
         made.calls.append('all_reduce')
         tensor += made.others
 
+    def barrier(async_op=False, **kw):
+        made.calls.append('barrier')
+        made.work = SimpleNamespace(wait=lambda: made.calls.append('wait')) if async_op else None
+        return made.work
+
     monkeypatch.setattr(torch.distributed, 'all_reduce', all_reduce)
-    monkeypatch.setattr(torch.distributed, 'barrier', lambda **kw: made.calls.append('barrier'))
+    monkeypatch.setattr(torch.distributed, 'barrier', barrier)
     monkeypatch.setattr(torch.distributed, 'destroy_process_group', lambda: made.calls.append('destroy'))
     return made
 
@@ -276,7 +281,9 @@ def test_every_end_under_ddp_ends_the_processes_together_once(tmp_path, capfd, c
         with pytest.raises(SystemExit):
             loop(run, at, signal.SIGINT, ddp_flag=flag if ddp else None)
     after_finish = ['all_reduce'] if at in (None, 'final losses') else []  # the agreement after the last step
-    assert collectives.calls == (after_finish + ['barrier', 'destroy'] if ddp else [])
+    assert collectives.calls == (after_finish + ['barrier', 'wait', 'destroy'] if ddp else [])
+    if ddp:  # its Work outlives the group: freed by gloo's thread, it deadlocked with the group's teardown
+        assert runs.FINAL_BARRIERS[-1] is collectives.work
 
 
 def test_after_the_last_step_under_ddp_a_signal_on_another_rank_stops_this_one_too(tmp_path, capfd, collectives):
@@ -289,7 +296,7 @@ def test_after_the_last_step_under_ddp_a_signal_on_another_rank_stops_this_one_t
             run.iter_num = ITERS
             run.finish('linear', lambda: pytest.fail('the final losses ran'))
     assert e.value.code == 143 and checkpoint(tmp_path)['iter_num'] == ITERS
-    assert collectives.calls == ['all_reduce', 'barrier', 'destroy']
+    assert collectives.calls == ['all_reduce', 'barrier', 'wait', 'destroy']
 
 
 def test_an_error_under_ddp_propagates_without_a_collective(tmp_path, collectives):
