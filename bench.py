@@ -5,7 +5,7 @@ with --mode=train, what TaperNorm costs in training, per phase and over a whole 
     python bench.py                                   # 9M, batch 1, eager and compiled
     python bench.py --size=30M --batch_size=8 --compile=compiled
     python bench.py --ckpt=internal-folded.pt         # also time a real checkpoint
-    python bench.py --profile=True                    # + a torch.profiler table of one decode step
+    python bench.py --profile=True                    # + a torch.profiler table of one decode step per variant
     python bench.py --mode=train --size=1M --trials=3 # one optimizer step per variant and phase
     python bench.py --mode=train --batch_size=4 --block_size=256 --schedule=config/tinystories_all_taper.py
 
@@ -22,10 +22,15 @@ eager in the dtype timed (fp32: greedy tokens equal; bf16: prefill logits within
 equal up to a near-tie). TF32 is on only for bf16 (configurator.set_tf32; the JSON's config.tf32).
 
 Timing (model.py's decode path, as in GPT.generate): a prefill of --prompt_len tokens (time to first
-token, TTFT), then --new_tokens decode steps; medians of --trials trials after two warm-up trials (the
-first one's extra time is the compile time), the variants interleaved (A B C D, B C D A, ...). A decode
-step decodes one token of every sequence: ms/step = decode time / new_tokens, tokens/s = batch_size ·
-new_tokens / decode time (aggregate), tokens/s/seq = tokens/s / batch_size. GB/s: the bytes a decode
+token, TTFT), then --new_tokens decode steps; medians of --trials trials (default 15 on CUDA, 5
+elsewhere) after two warm-up trials (the first one's extra time is the compile time), the variants
+interleaved in rounds (A B C D, B C D A, ...). A decode step decodes one token of every sequence:
+ms/step = decode time / new_tokens, tokens/s = batch_size · new_tokens / decode time (aggregate),
+tokens/s/seq = tokens/s / batch_size. Each row keeps its trials (ms_per_step_trials, ms_range = their
+[min, max]); speed-up is the ratio of medians, and speedup_interval a 95 % interval (sign test,
+benchkit.median_ratio_interval; below 6 trials [min, max], coverage in speedup_coverage) of the
+per-round paired ratio, the baseline's decode time over the variant's in the same round: a machine's
+drift hits both, so the pair's ratio is steadier than either time. GB/s: the bytes a decode
 step reads (weights, the LM head once, batch_size embedding rows, the whole KV cache) / step time.
 peak MB (CUDA): weights + KV cache + the most a trial allocated on top. The last line printed is one
 JSON object with the configuration and every result.
@@ -48,7 +53,8 @@ from functools import partial
 import torch
 
 from baselines import NORM_FREE
-from benchkit import calibrated_model, conditions, interleaved, print_conditions, random_tokens, sync, with_peak
+from benchkit import (calibrated_model, conditions, default_trials, interleaved, median_ratio_interval, print_conditions,
+                      print_profile, random_tokens, sync, with_peak)
 from configurator import ConfigError, configure, defaults_of, keys_set, resolve_device, set_tf32, uses_tf32
 from fold import CheckError, fold_model, max_logit_error, tensor_bytes
 from model import GPT, LADDER, GPTConfig, TaperScale, decode_n_tokens, decode_one_token, prefill, unfused
@@ -68,10 +74,10 @@ new_tokens = 256        # decode steps timed
 compile = 'both'        # 'both' | 'eager' | 'compiled'
 device = 'auto'         # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:N' | 'mps'
 dtype = 'auto'          # 'auto' (bfloat16 on CUDA where supported, else float32) | 'float32' | 'bfloat16'
-trials = 5              # timed trials per variant (the median is reported), after two warm-up trials (train: 3)
+trials = 0              # timed trials per variant (the median is reported), after two warm-up trials (train: 3); 0: 15 on CUDA, else 5
 seed = 1337             # weights, calibration tokens, prompt and gate sequence
 ckpt = ''               # also time this checkpoint (raw or folded) next to a baseline of its shape; every variant then takes its shape (--size is not used)
-profile = False         # torch.profiler tables of one step: decode, baseline and internal_folded; train, every row
+profile = False         # torch.profiler tables of one step of every variant (train: every row), each with its totals
 schedule = 'config/tinystories_all_taper.py'  # train: the run projected: train.py config files, comma-separated
 gate_warmup_iters = 0   # train: W of that run; 0: the schedule's (likewise the next two)
 taper_iters = 0         # train: T of that run
@@ -90,8 +96,10 @@ def architecture(cfg):
     """configure()'s check of the settings (ConfigError names the key and the fix), and the model
     shape they give: the size's ladder row, n_layer / n_head / n_embd overriding where > 0,
     vocab_size and block_size (a dict)."""
-    if bad := [k for k in ('batch_size', 'prompt_len', 'new_tokens', 'trials') if cfg[k] < 1]:
+    if bad := [k for k in ('batch_size', 'prompt_len', 'new_tokens') if cfg[k] < 1]:
         raise ConfigError(f"--{bad[0]}={cfg[bad[0]]} must be >= 1")
+    if cfg['trials'] < 0:
+        raise ConfigError(f"--trials={cfg['trials']} must be >= 1, or 0 for the default (15 on CUDA, else 5)")
     if cfg['mode'] == 'train' and cfg['ckpt']:
         raise ConfigError("--ckpt times a checkpoint's decoding: drop it with --mode=train, which times "
                           "random-weight models of --size")
@@ -223,18 +231,25 @@ def memory_bytes(model, batch_size, cache_len):
 
 
 def result_rows(models, reference, times, transient, compile_s, compiled, cfg):
-    """One result dict per timed variant from the medians of its trials."""
+    """One result dict per timed variant: the medians of its trials, the trials themselves, and for
+    every variant but a reference its speed-up with the interval of the paired ratio (module docstring)."""
     rows, B, cache_len = {}, cfg.batch_size, cfg.prompt_len + cfg.new_tokens
     for n, m in models.items():
-        step_s = statistics.median(t[1] for t in times[n]) / cfg.new_tokens
+        trials_ms = [1000 * t[1] / cfg.new_tokens for t in times[n]]
+        step_s = statistics.median(trials_ms) / 1000
         weights, kv, step = memory_bytes(m, B, cache_len)
-        rows[n] = dict(variant=n, compiled=compiled, ms_per_step=1000 * step_s, tokens_per_s=B / step_s,
+        rows[n] = dict(variant=n, compiled=compiled, ms_per_step=1000 * step_s, ms_range=[min(trials_ms), max(trials_ms)],
+                       ms_per_step_trials=trials_ms, tokens_per_s=B / step_s,
                        tokens_per_s_per_seq=1 / step_s, ttft_ms=1000 * statistics.median(t[0] for t in times[n]),
                        gbps=step / step_s / 1e9, weight_mb=weights / 1e6, kv_mb=kv / 1e6,
                        peak_mb=(weights + kv + transient[n]) / 1e6 if n in transient else None,
                        compile_s=compile_s[n] if compiled else None)
     for r in rows.values():
-        r['speedup_vs_baseline'] = r['tokens_per_s'] / rows[reference[r['variant']]]['tokens_per_s']
+        ref = rows[reference[r['variant']]]
+        r['speedup_vs_baseline'] = r['tokens_per_s'] / ref['tokens_per_s']
+        if r is not ref:  # the reference's decode time over this variant's, round by round
+            lo, hi, coverage = median_ratio_interval(ref['ms_per_step_trials'], r['ms_per_step_trials'])
+            r['speedup_interval'], r['speedup_coverage'] = [lo, hi], coverage
     return list(rows.values())
 
 
@@ -318,6 +333,7 @@ def main(argv):
     device_type = torch.device(dev).type
     if device_type == 'cuda':
         torch.cuda.set_device(dev)  # sync and memory statistics then refer to this device
+    cfg.trials = default_trials(cfg.trials, device_type)
     set_tf32(dev, 'float32')  # the gate's forwards: IEEE fp32, whatever ran before in the process
     B, P, N = cfg.batch_size, cfg.prompt_len, cfg.new_tokens
     # with --ckpt, every variant takes the checkpoint's shape, whatever --size says
@@ -342,8 +358,14 @@ def main(argv):
     gate_tokens = min(GATE_TOKENS, N + 1)
     prompt = random_tokens(arch['vocab_size'], (B, P), cfg.seed + 3).to(dev)
     prompts = {n: prompt % m.config.vocab_size for n, m in gated.items()}  # a checkpoint's vocabulary may be smaller
-    for m in gated.values():
-        m.to(dev).setup_caches(B, P + N)
+    try:
+        for m in gated.values():
+            m.to(dev).setup_caches(B, P + N)
+    except RuntimeError as e:  # CUDA's OutOfMemoryError is one; the CPU allocator raises a plain one
+        if not (isinstance(e, torch.OutOfMemoryError) or 'out of memory' in str(e) or 'allocate memory' in str(e)):
+            raise
+        raise SystemExit(f"the {len(gated)} models and their KV caches (batch_size {B} × {P + N} positions each) do "
+                         f"not fit in {dev}'s memory: lower --batch_size (or --prompt_len + --new_tokens, or --size)") from None
     t0 = time.perf_counter()
     errors = gate_eager(gated, pairs, prompts, gate_tokens, cfg.seed, device_type)
     print("  gate (fp32, eager): " + ', '.join(f"{k}: max|Δ logit|/max|logit| {v:.1e}" for k, v in errors.items())
@@ -361,7 +383,7 @@ def main(argv):
 
     print_table(results)
     if cfg.profile:
-        profile_step(models, steps if flags[-1] else None, prompt, device_type)
+        profile_step(models, steps if flags[-1] else None, prompts, device_type)
     record = {'device': torch.cuda.get_device_name(dev) if device_type == 'cuda' else f'cpu ({os.cpu_count()} cores)',
               'torch': torch.__version__, 'conditions': machine, 'mode': 'decode',
               'config': dict(size=cfg.size, **{k: arch[k] for k in SHAPE}, batch_size=B, prompt_len=P, new_tokens=N,
@@ -373,36 +395,44 @@ def main(argv):
 
 
 def print_table(results):
-    print(f"\n{'variant':<22} {'compiled':>8} {'ms/step':>9} {'tokens/s':>10} {'tokens/s/seq':>12} {'TTFT ms':>8} "
-          f"{'speed-up':>8} {'GB/s':>7} {'weights MB':>10} {'KV MB':>7} {'peak MB':>8}")
+    """The results, one line per row; the speed-up with its paired-ratio interval (module docstring)."""
+    coverage = {r['speedup_coverage'] for r in results if 'speedup_interval' in r}
+    print(f"\n{'variant':<22} {'compiled':>8} {'ms/step':>9} {'ms range':>15} {'tokens/s':>10} {'tokens/s/seq':>12} "
+          f"{'TTFT ms':>8} {'speed-up [interval]':>22} {'GB/s':>7} {'weights MB':>10} {'KV MB':>7} {'peak MB':>8}")
     for r in results:
         peak = '-' if r['peak_mb'] is None else f"{r['peak_mb']:8.1f}"
-        print(f"{r['variant']:<22} {str(r['compiled']):>8} {r['ms_per_step']:>9.3f} {r['tokens_per_s']:>10,.1f} "
-              f"{r['tokens_per_s_per_seq']:>12,.1f} "
-              f"{r['ttft_ms']:>8.2f} {r['speedup_vs_baseline']:>7.3f}× {r['gbps']:>7.2f} "
+        interval = '[{:.3f}, {:.3f}]'.format(*r['speedup_interval']) if 'speedup_interval' in r else ''
+        print(f"{r['variant']:<22} {str(r['compiled']):>8} {r['ms_per_step']:>9.3f} "
+              f"{'{:.3f}–{:.3f}'.format(*r['ms_range']):>15} {r['tokens_per_s']:>10,.1f} "
+              f"{r['tokens_per_s_per_seq']:>12,.1f} {r['ttft_ms']:>8.2f} "
+              f"{r['speedup_vs_baseline']:>6.3f}× {interval:>15} {r['gbps']:>7.2f} "
               f"{r['weight_mb']:>10.2f} {r['kv_mb']:>7.2f} {peak:>8}")
+    if coverage:
+        print(f"speed-up: the ratio of median tokens/s; [interval]: of the per-round paired ratio, coverage "
+              f"{', '.join(f'{c:.1%}' for c in sorted(coverage))} (sign test; below 6 trials [min, max])")
     print()
 
 
-def profile_step(models, compiled_steps, prompt, device_type):
-    """torch.profiler of one decode step, eager and (when timed compiled) compiled, of baseline
-    and internal_folded after a prefill; prints the operators by self time."""
+def profile_step(models, compiled_steps, prompts, device_type):
+    """torch.profiler of one decode step of every variant after a prefill, eager and (when timed
+    compiled) compiled; prints the operators by self time, then the step's totals (operator calls,
+    host ms; on CUDA kernels and device ms: a step whose host time exceeds its device time is
+    launch-bound, and there a kernel less saves its launch)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == 'cuda' else [])
-    P, kind = prompt.size(1), 'device' if device_type == 'cuda' else 'cpu'
     hows = ('eager', 'compiled') if compiled_steps else ('eager',)
-    for n, how in [(n, how) for n in ('baseline', 'internal_folded') for how in hows]:
+    for n, how in [(n, how) for n in models for how in hows]:
         first, step = compiled_steps[n] if how == 'compiled' else make_steps(False, device_type)
-        tok = first(models[n], prompt, torch.arange(P, device=prompt.device)).clone()
-        pos = torch.tensor([P], device=prompt.device)
+        P = prompts[n].size(1)
+        tok = first(models[n], prompts[n], torch.arange(P, device=prompts[n].device)).clone()
+        pos = torch.tensor([P], device=prompts[n].device)
         for _ in range(3):
             step(models[n], tok, pos)
         sync(device_type)  # the warm-up's kernels end outside the profile
         with torch_profile(activities=activities) as prof:
             step(models[n], tok, pos)
             sync(device_type)
-        print(f"---- profile: one decode step of {n} ({how}) ----")
-        print(prof.key_averages().table(sort_by=f'self_{kind}_time_total', row_limit=14))
+        print_profile(prof, f"one decode step of {n} ({how})", device_type, row_limit=14)
 
 
 if __name__ == '__main__':

@@ -1,6 +1,6 @@
 """
 `python bench.py --mode=train`: what TaperNorm costs in training, one optimizer step per phase, and
-what that makes of a whole run (issue 43). bench.py reads the configuration and calls `main`.
+what that makes of a whole run. bench.py reads the configuration and calls `main`.
 
 Variants, one architecture (bench.py's --size or shape keys); every other model key (taper, λ,
 norm, ...) is the shipped config's, read by train.py's own load_config:
@@ -42,7 +42,8 @@ from types import SimpleNamespace
 import torch
 
 import train
-from benchkit import calibrated_model, conditions, interleaved, print_conditions, random_tokens, sync, with_peak
+from benchkit import (calibrated_model, conditions, default_trials, interleaved, print_conditions, print_profile,
+                      random_tokens, sync, with_peak)
 from configurator import check_compiler
 from fold import tensor_bytes
 from model import GPT, PHASES, GPTConfig
@@ -56,8 +57,10 @@ NAMES = {'baseline': 'the baseline', 'internal': 'Internal-Taper', 'all': 'All-T
          'control': 'the control (the baseline again)'}
 DATASETS = {'tinystories': 'TinyStories'}  # how the projection line names a config's dataset
 GATES = {'baseline': 1.0, 'warmup': 1.0, 'taper': 0.5, 'linear': 0.0}  # g of each phase's timed steps
-# untimed steps per row and mode: compiled, the first compiles the forward and the backward (in the
-# tests nothing compiles after it); the others let the allocator's cache and the BLAS handles settle
+# untimed steps per row and mode: the first compiles the forward and the backward (in the tests
+# nothing compiles after it) and builds AdamW's state; the others run each of RandomBatches' two
+# micro-batches once more, so that the allocator's cache and the BLAS handles have settled on every
+# step the trials repeat: 1 + 2
 WARM_UPS = 3
 SCHEDULE_KEYS = ('gate_warmup_iters', 'taper_iters', 'max_iters')
 # the timed steps' learning rate: AdamW does all its work whatever the rate, but at a config's peak
@@ -212,27 +215,8 @@ def profile_steps(runs, compiled, device_type):
     for (variant, phase), run in runs.items():
         with torch_profile(activities=activities) as prof:
             run()
-        how = 'compiled' if compiled else 'eager'
-        print(f"---- profile: one training step of {variant}, phase {phase} ({how}) ----")
-        print(prof.key_averages().table(sort_by=f"self_{'device' if device_type == 'cuda' else 'cpu'}_time_total",
-                                        row_limit=12))
-        totals = profile_totals(prof)
-        print(f"one step: {totals['operators']} operator calls, {totals['host_ms']:.2f} ms of them on the host" +
-              (f"; {totals['kernels']} device kernels, {totals['device_ms']:.2f} ms on the device"
-               if device_type == 'cuda' else ''))
-
-
-def profile_totals(prof):
-    """{'operators': calls of torch operators (aten:: and the compiled graph's; an operator another
-    calls is counted too, as the profiler's table counts it), 'host_ms': the host events' self time,
-    'kernels': device kernels launched, 'device_ms': their time} of a finished torch.profiler run. On a GPU a step whose host_ms exceeds its device_ms is launch-bound: there an
-    extra kernel costs its launch, whatever it computes."""
-    events = prof.events()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-    return {'operators': sum(1 for e in host if e.name.startswith(('aten::', 'CompiledFunction', 'Torch-Compiled'))),
-            'host_ms': sum(e.self_cpu_time_total for e in host) / 1e3,
-            'kernels': len(kernels), 'device_ms': sum(e.device_time_total for e in kernels) / 1e3}
+        print_profile(prof, f"one training step of {variant}, phase {phase} ({'compiled' if compiled else 'eager'})",
+                      device_type, row_limit=12)
 
 
 def print_table(results, sched, projection):
@@ -261,6 +245,7 @@ def main(cfg, arch, flags):
                          "would need a GradScaler, which train.py does not use): choose --dtype=bfloat16 or float32")
     sched = schedule(cfg)
     env = setup(SimpleNamespace(device=cfg.device, dtype=cfg.dtype, backend='auto', compile=False))
+    cfg.trials = default_trials(cfg.trials, env.device_type)
     if True in flags:
         check_compiler(env.dev)
     B, T = cfg.batch_size, cfg.block_size

@@ -8,9 +8,10 @@ Busy rule: ratios are unreliable when the 1-minute load average, read as the ben
 exceeds half a core per thread in use (load₁ > BUSY_LOAD_PER_THREAD · torch.get_num_threads()).
 The other runnable processes then take cores from torch's threads, and contention inflates every
 small op (a norm's kernels more than a matrix product), so the ratios grow with the noise: the same
-decode bench gave 1.05× on an idle 2-core machine and 1.96× under load (issue 43).
+decode bench gave 1.05× on an idle 2-core machine and 1.96× under load.
 """
 
+import math
 import os
 import platform
 
@@ -19,6 +20,11 @@ import torch
 from model import GPT, GPTConfig
 
 BUSY_LOAD_PER_THREAD = 0.5  # the busy rule's threshold: 1-minute load average per torch thread
+# timed trials when --trials=0 (the default): on CUDA a trial costs milliseconds and the minutes go to
+# compiling, so more trials cost little and narrow the intervals; a CPU trial of a large model costs seconds
+DEFAULT_TRIALS = {'cuda': 15}
+DEFAULT_TRIALS_ELSEWHERE = 5
+CONFIDENCE = 0.95  # of the paired-ratio intervals
 
 
 def random_tokens(vocab_size, shape, seed):
@@ -64,6 +70,56 @@ def interleaved(runs, trials, warm_ups, after_warm_up=None):
         for n in names[k % len(names):] + names[:k % len(names)]:
             timed[n].append(runs[n]())
     return warm, timed
+
+
+def default_trials(trials, device_type):
+    """--trials as given, or for 0 the default of the device type (DEFAULT_TRIALS)."""
+    return trials or DEFAULT_TRIALS.get(device_type, DEFAULT_TRIALS_ELSEWHERE)
+
+
+def median_ratio_interval(numerators, denominators, confidence=CONFIDENCE):
+    """A distribution-free interval for the median of the paired ratios r_k = numerators[k] / denominators[k]
+    (k: a round of `interleaved`, whose two runs met the same state of the machine), as the sign test
+    gives it: the order statistics (r_(j), r_(n+1−j)) for the largest j whose coverage
+    1 − 2 · P(Binomial(n, ½) < j) is at least `confidence`. No assumption about the noise's shape:
+    timings have heavy right tails (a preempted trial). Below 6 pairs no j reaches 95 %: then
+    (min, max), with its lower coverage (5 pairs: 93.75 %). Returns (lo, hi, coverage)."""
+    r = sorted(a / b for a, b in zip(numerators, denominators, strict=True))
+    n = len(r)
+
+    def coverage(j):
+        return 1 - 2 * sum(math.comb(n, i) for i in range(j)) / 2 ** n
+
+    j = 1
+    while j < n // 2 and coverage(j + 1) >= confidence:
+        j += 1
+    return r[j - 1], r[n - j], coverage(j)
+
+
+def profile_totals(prof):
+    """{'operators': calls of torch operators (aten:: and the compiled graph's; an operator another
+    calls is counted too, as the profiler's table counts it), 'host_ms': the host events' self time,
+    'kernels': device kernels launched, 'device_ms': their time} of a finished torch.profiler run. On a
+    GPU a step whose host_ms exceeds its device_ms is launch-bound: there an extra kernel costs its
+    launch, whatever it computes."""
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    return {'operators': sum(1 for e in host if e.name.startswith(('aten::', 'CompiledFunction', 'Torch-Compiled'))),
+            'host_ms': sum(e.self_cpu_time_total for e in host) / 1e3,
+            'kernels': len(kernels), 'device_ms': sum(e.device_time_total for e in kernels) / 1e3}
+
+
+def print_profile(prof, title, device_type, row_limit):
+    """A finished torch.profiler run's table (operators by self time on the device, else the CPU),
+    under `title`, then one line of its totals (profile_totals)."""
+    print(f"---- profile: {title} ----")
+    print(prof.key_averages().table(sort_by=f"self_{'device' if device_type == 'cuda' else 'cpu'}_time_total",
+                                    row_limit=row_limit))
+    totals = profile_totals(prof)
+    print(f"one step: {totals['operators']} operator calls, {totals['host_ms']:.2f} ms of them on the host" +
+          (f"; {totals['kernels']} device kernels, {totals['device_ms']:.2f} ms on the device"
+           if device_type == 'cuda' else ''))
 
 
 def with_peak(run, device_type):

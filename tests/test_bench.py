@@ -37,6 +37,43 @@ def test_bench_runs_end_to_end_and_ends_with_one_json_line(capsys):
     assert record['results'][0]['speedup_vs_baseline'] == 1.0
 
 
+def test_every_row_keeps_its_trials_and_the_speedup_its_paired_interval(capsys):
+    """ms_range is [min, max] of the row's trials; speedup_interval, with 3 rounds, the [min, max] of the
+    per-round ratios baseline ÷ variant (sign test: fewer than 6 pairs reach no 95 %), worked here from
+    the trials; the table prints it beside the speed-up."""
+    bench.main(TINY + ['--trials=3'])
+    out = capsys.readouterr().out
+    rows = {r['variant']: r for r in json.loads(out.strip().splitlines()[-1])['results']}
+    base = rows['baseline']['ms_per_step_trials']
+    assert 'speedup_interval' not in rows['baseline']
+    for name, r in rows.items():
+        assert len(r['ms_per_step_trials']) == 3 and r['ms_range'] == [min(r['ms_per_step_trials']),
+                                                                        max(r['ms_per_step_trials'])]
+        assert r['ms_per_step'] == sorted(r['ms_per_step_trials'])[1]
+        if name != 'baseline':
+            ratios = [b / v for b, v in zip(base, r['ms_per_step_trials'])]
+            assert r['speedup_interval'] == [min(ratios), max(ratios)] and r['speedup_coverage'] == 1 - 2 / 8
+            assert f"[{min(ratios):.3f}, {max(ratios):.3f}]" in out
+
+
+@pytest.mark.parametrize('n, j, coverage', [
+    (5, 1, 1 - 2 / 32),                                # too few for 95 %: [min, max]
+    (6, 1, 1 - 2 / 64),
+    (9, 2, 1 - 2 * (1 + 9) / 512),                     # j = 3 would cover 1 − 2·46/512 = 82 %
+    (15, 4, 1 - 2 * (1 + 15 + 105 + 455) / 2 ** 15),   # j = 5: 1 − 2·1941/2^15 = 88 %
+    (25, 8, 1 - 2 * sum(map(__import__('math').comb, [25] * 8, range(8))) / 2 ** 25),
+])
+def test_the_paired_ratio_interval_is_the_sign_tests(n, j, coverage):
+    """benchkit.median_ratio_interval against order statistics and binomial sums worked by hand:
+    the ratios 1/n, 2/n, ... shuffled, so the j-th smallest is j/n."""
+    import benchkit
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(n)).tolist()
+    numerators = [float(k + 1) for k in order]
+    lo, hi, got = benchkit.median_ratio_interval(numerators, [float(n)] * n)
+    assert (lo, hi) == (j / n, (n + 1 - j) / n) and got == pytest.approx(coverage)
+    assert (got >= 0.95) == (n >= 6)
+
+
 def test_tokens_per_s_counts_every_sequence_of_the_batch(capsys):
     bench.main(TINY + ['--batch_size=3'])
     for r in last_json(capsys)['results']:
@@ -233,7 +270,7 @@ TRAIN = ['--mode=train', '--size=', '--n_layer=1', '--n_embd=16', '--n_head=2', 
          '--batch_size=2', '--trials=2', '--device=cpu']
 PHASES_OF = {'baseline': ['baseline'], 'internal': ['warmup', 'taper', 'linear'],
              'all': ['warmup', 'taper', 'linear'], 'dyt': ['baseline'], 'control': ['baseline']}
-GATE_OF = {'baseline': 1.0, 'warmup': 1.0, 'taper': 0.5, 'linear': 0.0}  # the issue's: taper timed at g = 0.5
+GATE_OF = {'baseline': 1.0, 'warmup': 1.0, 'taper': 0.5, 'linear': 0.0}  # bench_train.GATES: taper timed at g = 0.5
 VARIANT_OF = {('none', 'rmsnorm'): 'baseline', ('internal', 'rmsnorm'): 'internal', ('all', 'rmsnorm'): 'all',
               ('none', 'dyt'): 'dyt'}  # (taper, norm) of a model -> the variant it must be
 SAME_AS = {'control': 'baseline'}  # the A/A row: the baseline's config on a model of its own
@@ -475,3 +512,57 @@ def test_decode_mode_never_loads_train_py():
                          timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == 'False'
+
+
+def test_the_warm_ups_end_with_every_micro_batch_run_once_after_each_rows_one_time_costs(monkeypatch):
+    """WARM_UPS' rule (its comment): a row's first step compiles and builds AdamW's state, and the
+    warm-ups then run each of RandomBatches' micro-batches once more, so that the timed steps repeat
+    only steps already run in their final state. Counted per row (dynamo with a counting backend)."""
+    import torch._dynamo
+    import train
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    counter, real_compile, real_step, real_get = CompileCounter(), torch.compile, train.train_step, \
+        bench_train.RandomBatches.get
+    monkeypatch.setattr(torch, 'compile', lambda fn, mode=None, **kw: real_compile(fn, backend=counter, **kw))
+    got, steps, micro_batches = [], {}, set()
+
+    def get(self, it, micro):
+        got.append(it % len(self.batches))
+        micro_batches.update(range(len(self.batches)))
+        return real_get(self, it, micro)
+
+    def step(train_model, raw_model, optimizer, *args, **kwargs):
+        before, got[:] = (counter.frame_count, len(optimizer.state)), []
+        stats = real_step(train_model, raw_model, optimizer, *args, **kwargs)
+        steps.setdefault(id(raw_model), []).append((before != (counter.frame_count, len(optimizer.state)), got[0]))
+        return stats
+
+    monkeypatch.setattr(bench_train.RandomBatches, 'get', get)
+    monkeypatch.setattr(train, 'train_step', step)
+    bench.main(TRAIN + ['--compile=compiled', '--trials=1'])
+    assert len(steps) == 9 and micro_batches == {0, 1}  # every variant and phase, each its own model
+    for row in steps.values():
+        last = max(k for k, (one_time, _) in enumerate(row) if one_time)
+        assert last == 0  # the first step: compile and AdamW's state, nothing after it
+        assert {m for _, m in row[last + 1:bench_train.WARM_UPS]} == micro_batches, row
+    torch._dynamo.reset()
+
+
+def test_with_peak_on_cuda_is_the_most_a_call_allocated_above_what_was_resident(monkeypatch):
+    """benchkit.with_peak with stand-ins for torch.cuda's allocator statistics: 1 MB resident, a call
+    that allocates 300 bytes and frees them, an older peak of 5 MB still recorded. Its peak is 300
+    bytes: not the absolute peak (1,000,300), nor the older one."""
+    import benchkit
+    memory = {'allocated': 1_000_000, 'peak': 5_000_000}
+    monkeypatch.setattr(torch.cuda, 'reset_peak_memory_stats',
+                        lambda device=None: memory.update(peak=memory['allocated']))
+    monkeypatch.setattr(torch.cuda, 'memory_allocated', lambda device=None: memory['allocated'])
+    monkeypatch.setattr(torch.cuda, 'max_memory_allocated', lambda device=None: memory['peak'])
+
+    def run():
+        memory['peak'] = max(memory['peak'], memory['allocated'] + 300)
+        return 'its result'
+
+    assert benchkit.with_peak(run, 'cuda')() == ('its result', 300)
+    assert benchkit.with_peak(run, 'cpu')() == ('its result', None)  # torch keeps no such statistic off CUDA
