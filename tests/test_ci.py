@@ -1,6 +1,6 @@
-"""The GPU check's own machinery, on the CPU: .ci/gpu's `step` (its timeouts end every step),
-each mode's bound against the device tool's 10 minutes, the environment step's import check, and
-the compile count .ci/gpu_train.py states for its schedule."""
+"""The GPU check's own machinery, on the CPU: .ci/gpu's `step` (its timeouts end every step and all
+it started), each mode's bound against a 10-minute limit on one command, the environment step's
+import check, and the compile count .ci/gpu_train.py states for its schedule."""
 
 import ast
 import importlib.util
@@ -19,8 +19,8 @@ from test_train import read_log
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / '.ci' / 'gpu'
-MODES = ('quick', 'full', 'study', 'train')
-TEN_MINUTES = 600  # s: the device tool's limit on one command
+MODES = ('quick', 'full', 'study', 'train', 'paper')
+TEN_MINUTES = 600  # s: the limit on one command where the GPU runs (.ci/gpu's modes fit it)
 
 
 def gpu_bash(script, tmp_path):
@@ -77,7 +77,7 @@ def test_a_step_that_ignores_its_sigterm_is_killed_soon_after_its_timeout(tmp_pa
         assert not running(int((tmp_path / 'child.pid').read_text()))
     quick = next(line for line in lines if line.startswith('==== quick: exit'))
     assert re.fullmatch(r'==== quick: exit 0 after [01] s', quick)  # the next step runs as usual
-    assert 'done' in lines and (tmp_path / 'quick.txt').read_text() == 'done\n'
+    assert 'done' in lines and (tmp_path / 'quick.txt').read_text().endswith('\ndone\n')  # after the GPU's list
     quick_s = int(quick.split()[-2])
     assert lines[-2] == f'durations: stubborn {seconds} s, quick {quick_s} s | {seconds + quick_s} s in all'
     assert lines[-1] == 'failed: stubborn'
@@ -89,6 +89,57 @@ def test_a_step_that_ends_on_its_sigterm_says_it_timed_out(tmp_path):
     assert any(re.fullmatch(r'==== polite: exit 124 \(timed out\) after [12] s', line)
                for line in proc.stdout.splitlines()), proc.stdout
 
+
+
+@pytest.mark.skipif(sys.platform != 'linux', reason='a subreaper and /proc: Linux only')
+def test_a_step_ends_every_process_it_started_in_a_session_of_its_own(tmp_path):
+    """torchrun starts its workers with setsid, out of reach of a process group's signals: those of a
+    step that timed out, and those still running when a step ended, kept the GPU's memory."""
+    # a worker as torchrun starts one: a session of its own, deaf to SIGTERM; it writes "pid session"
+    worker = tmp_path / 'worker.sh'
+    worker.write_text('trap "" TERM\nread -a stat < /proc/$$/stat\necho "$$ ${stat[5]}" > "$1"\nexec sleep 60\n')
+    def starts(name, then):  # a step command: start a worker, wait until it runs, then `then`
+        pids = tmp_path / f'{name}.pid'
+        return f'bash -c "setsid bash {worker} {pids} & until [ -s {pids} ]; do sleep 0.05; done; {then}"'
+    proc, took = gpu_bash(f'KILL_AFTER=1; step hung 1 {starts("hung", "sleep 60")}; '
+                          f'step ended 5 {starts("ended", "true")}', tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert took < 10, proc.stdout
+    lines = proc.stdout.splitlines()
+    assert any(re.fullmatch(r'==== hung: exit 137 \(timed out, killed 1 s after the SIGTERM\) after [2-4] s', line)
+               for line in lines), proc.stdout
+    assert any(re.fullmatch(r'==== ended: exit 0 after [0-3] s', line) for line in lines), proc.stdout
+    for name in ('hung', 'ended'):
+        pid, session = map(int, (tmp_path / f'{name}.pid').read_text().split())
+        assert pid == session != os.getsid(0)  # it did run in a session of its own
+        assert not running(pid), name
+        assert re.search(rf'^step: SIGKILL to (\d+ )*{pid}\b', (tmp_path / f'{name}.txt').read_text(), re.M)
+
+
+def test_a_step_first_lists_the_gpus_compute_processes(tmp_path):
+    """On screen and at the head of the step's output, so that what an earlier command left on the
+    GPU shows beside the figures; an nvidia-smi that fails does not fail the step (nor does none)."""
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    fake = bin_dir / 'nvidia-smi'
+    fake.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/args"\n'
+                    'echo "pid, process_name, used_gpu_memory [MiB]"\necho "4242, python3, 512 MiB"\nexit $FAKE_RC\n')
+    fake.chmod(0o755)
+    # 30 lines: more than the 25 a step shows of its output when it ends
+    proc, _ = gpu_bash(f'export PATH={bin_dir}:$PATH FAKE_RC=0; step one 5 seq 30; '
+                       f'export FAKE_RC=9; step two 5 echo more', tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    listing = ['GPU compute processes before the step:', 'pid, process_name, used_gpu_memory [MiB]',
+               '4242, python3, 512 MiB']
+    lines = proc.stdout.splitlines()
+    start = lines.index('==== one (timeout 5 s): seq 30')
+    assert lines[start + 1:start + 4] == listing  # before the step's own output
+    assert lines[start + 4:start + 29] == [str(i) for i in range(6, 31)]
+    assert (tmp_path / 'one.txt').read_text().splitlines() == listing + [str(i) for i in range(1, 31)]
+    assert (tmp_path / 'two.txt').read_text().splitlines()[2:] == ['4242, python3, 512 MiB (exit 9)', 'more']
+    assert '==== two: exit 0 after 0 s' in lines or '==== two: exit 0 after 1 s' in lines
+    assert (bin_dir / 'args').read_text().splitlines() == [
+        '--query-compute-apps=pid,process_name,used_memory --format=csv'] * 2
 
 @pytest.mark.parametrize('mode', MODES)
 def test_each_mode_ends_within_ten_minutes_and_docs_give_its_timeouts(mode):
