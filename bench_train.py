@@ -14,7 +14,7 @@ norm, ...) is the shipped config's, read by train.py's own load_config:
 baseline, dyt and control have one phase ('baseline'); internal and all have three, each timed on a model of
 its own put into it as train.main does (set_phase, set_collect, set_gate): warmup at g = 1 with the
 config's calibration ('ema': statistics collected in the forward, and raw_model.calibration_step()
-after the step, inside the timing), taper at g = 0.5 and linear at g = 0, after the calibrate event
+inside train_step, before its host read, all inside the timing), taper at g = 0.5 and linear at g = 0, after the calibrate event
 (benchkit.calibrated_model: the model's own calibrate path on random tokens).
 
 A timed step is train.py's own train_step (forward, backward, gradient clipping, AdamW from
@@ -36,10 +36,12 @@ import itertools
 import json
 import os
 import statistics
+import sys
 import time
 from types import SimpleNamespace
 
 import torch
+from tqdm import tqdm
 
 import train
 from benchkit import (calibrated_model, conditions, default_trials, interleaved, print_conditions, print_profile,
@@ -147,16 +149,14 @@ def build_rows(arch, seed, env):
 
 
 def step_run(row, train_model, batches, env):
-    """A call of one timed optimizer step of row, as train.main runs it: train.train_step, then in the
-    warmup with calibration='ema' raw_model.calibration_step(); returns (seconds from a sync before to
-    a sync after, CUDA: bytes the step allocated on top of the resident, else None)."""
+    """A call of one timed optimizer step of row, as train.main runs it: train.train_step (in the
+    warmup with calibration='ema' it runs raw_model.calibration_step()); returns (seconds from a sync
+    before to a sync after, CUDA: bytes the step allocated on top of the resident, else None)."""
     def run():
         it = next(row.its)
         sync(env.device_type)
         t0 = time.perf_counter()
         train.train_step(train_model, row.model, row.optimizer, batches, row.cfg, env, it)
-        if row.phase == 'warmup' and row.cfg.calibration == 'ema':
-            row.model.calibration_step()
         sync(env.device_type)
         return time.perf_counter() - t0
     return with_peak(run, env.device_type)
@@ -168,11 +168,45 @@ def resident_bytes(row):
     return tensor_bytes(list(row.model.parameters()) + list(row.model.buffers()) + state)
 
 
+class StepProgress:
+    """Progress over the steps of one mode's rows, on stderr (the minutes of a large model or a
+    compile would pass in silence): a tqdm bar where stderr is a terminal, else one short line each
+    time a row's worth of steps (WARM_UPS + trials) is done. counted(runs) wraps each run to count
+    its calls; close() ends the bar."""
+
+    def __init__(self, rows, per_row, mode):
+        self.rows, self.per_row, self.mode, self.done, self.start = rows, per_row, mode, 0, time.perf_counter()
+        self.bar = (tqdm(total=rows * per_row, desc=f'{mode} steps', unit='step', leave=False, file=sys.stderr)
+                    if sys.stderr.isatty() else None)
+
+    def counted(self, runs):
+        def count(run):
+            def call():
+                result = run()
+                self.done += 1
+                if self.bar is not None:
+                    self.bar.update()
+                elif self.done % self.per_row == 0:
+                    print(f"  {self.mode}: {self.done}/{self.rows * self.per_row} steps, "
+                          f"{time.perf_counter() - self.start:.0f} s", file=sys.stderr, flush=True)
+                return result
+            return call
+        return {name: count(run) for name, run in runs.items()}
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
 def time_rows(rows, compiled, batches, env, trials, tokens, profile):
     """Time every row in one mode (module docstring); returns one result dict per row, in rows' order."""
     runs = {(r.variant, r.phase): step_run(r, compile_model(r.model) if compiled else r.model, batches, env)
             for r in rows}
-    warm, timed = interleaved(runs, trials, WARM_UPS)
+    progress = StepProgress(len(runs), WARM_UPS + trials, 'compiled' if compiled else 'eager')
+    try:
+        warm, timed = interleaved(progress.counted(runs), trials, WARM_UPS)
+    finally:
+        progress.close()
     results = []
     for r in rows:
         seconds = [t for t, _ in timed[(r.variant, r.phase)]]
@@ -181,7 +215,9 @@ def time_rows(rows, compiled, batches, env, trials, tokens, profile):
                             ms_per_step=1000 * step_s, ms_range=[1000 * min(seconds), 1000 * max(seconds)],
                             tokens_per_s=tokens / step_s,
                             peak_mb=(resident_bytes(r) + max(transient)) / 1e6 if env.device_type == 'cuda' else None,
-                            compile_s=warm[(r.variant, r.phase)][0][0] - step_s if compiled else None))
+                            # the first step's time above the median: never below 0, which a row that
+                            # reuses a graph compiled for another (the control, the baseline's) would get from noise
+                            compile_s=max(0.0, warm[(r.variant, r.phase)][0][0] - step_s) if compiled else None))
     base = next(x['ms_per_step'] for x in results if x['variant'] == 'baseline')
     for x in results:
         x['vs_baseline'] = x['ms_per_step'] / base

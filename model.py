@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from baselines import DYT_ALPHA0, NORM_FREE, FakeNorm, dyt_embed_scale, sync_fakeln
-from norms import Norm, all_reduce_sums, norm_input, norm_scale
+from norms import Norm, all_reduce_flat, all_reduce_sums, norm_input, norm_scale
 
 NORMS = ('rmsnorm', 'layernorm', *NORM_FREE)  # 'dyt', 'derf': the norm-free baselines (baselines.py), no per-token statistics
 TAPERS = ('none', 'internal', 'all')
@@ -85,10 +85,12 @@ class TaperNorm(Norm):
     the phase changes twice a run.
 
     `collect` (set by `GPT.set_collect`) makes a warmup forward also record statistics of its
-    input: 'calibration' adds the token means of x_i²/r(h) and x_i² (x = h or P h) for c
-    (docs/method.md §3); 'mismatch' adds ‖L(h) − N(h)‖² and ‖N(h)‖² over tokens.
+    input: 'calibration' adds the token sums of x_i²/r(h) and x_i² (x = h or P h) for c
+    (docs/method.md §3; the GPT divides by its token count once per step); 'mismatch' adds
+    ‖L(h) − N(h)‖² and ‖N(h)‖² over tokens.
     Buffers: c (scalar, set by calibration, never trained), calib_num / calib_den (the 'ema'
-    mode's EMAs of N_i = E[x_i²/r] and D_i = E[x_i²], fp32, (d,)), and non-persistent sums.
+    mode's EMAs of N_i = E[x_i²/r] and D_i = E[x_i²], fp32, (d,)), and non-persistent sums
+    (step_sums, (2, d): Σ_tokens x_i²/r and Σ_tokens x_i²).
     h: (..., d) -> (..., d); gate: 0-dim tensor.
     """
 
@@ -99,8 +101,7 @@ class TaperNorm(Norm):
         self.register_buffer('c', torch.ones(()))
         self.register_buffer('calib_num', torch.zeros(d))
         self.register_buffer('calib_den', torch.zeros(d))
-        self.register_buffer('step_num', torch.zeros(d), persistent=False)
-        self.register_buffer('step_den', torch.zeros(d), persistent=False)
+        self.register_buffer('step_sums', torch.zeros(2, d), persistent=False)  # Σ_tokens x_i²/r, Σ_tokens x_i²
         self.register_buffer('mismatch_sums', torch.zeros(2), persistent=False)  # ‖L − N‖², ‖N‖²
         self.phase = 'warmup'
         self.collect = None
@@ -112,15 +113,21 @@ class TaperNorm(Norm):
 
     @torch.no_grad()
     def observe(self, h, y):
-        """Record this forward's statistics of h (and of y = N(h)) for `collect`, in fp32."""
+        """Record this forward's statistics of h (and of y = N(h)) for `collect`, in fp32 (in the
+        buffers' dtype: fp32 unless the model was cast)."""
         if self.collect == 'mismatch':
             y = y.float()
             self.mismatch_sums += torch.stack([(self.linear(h.float()) - y).pow(2).sum(), y.pow(2).sum()])
             return
-        x = norm_input(h.float(), self.kind).flatten(0, -2)  # (tokens, d)
+        # every warmup forward runs this once per norm: 6 ops (RMS kind; LN's centring adds 2), one pass
+        # over x² for r and for both sums. 1/r = rsqrt(mean x² + ε) is r(h) of the RMS kind, and σ(h)
+        # of the LN kind since x = P h is centred; [1/r, 1]ᵀ x² is (2, d): Σ x_i²/r and Σ x_i² in one product
+        x = norm_input(h.to(self.step_sums.dtype), self.kind).flatten(0, -2)  # (tokens, d), fp32 in training
         x2 = x.pow(2)
-        self.step_num += (x2 / norm_scale(x, 'rmsnorm', self.eps)).mean(0)  # x = P h is centred: σ(h) for LN
-        self.step_den += x2.mean(0)
+        inv_r = (x2.mean(-1, keepdim=True) + self.eps).rsqrt()  # (tokens, 1)
+        # in place, so autocast leaves it in fp32 (it casts only out-of-place matmuls); a CUDA bf16 run
+        # allows TF32 here, whose rounding averages out over the tokens of a sum
+        self.step_sums.addmm_(F.pad(inv_r, (0, 1), value=1.0).t(), x2)
 
     def forward(self, h, gate, pos=None):
         if self.phase == 'warmup':
@@ -448,13 +455,15 @@ class GPT(nn.Module):
             self.register_buffer('calib_steps', torch.zeros((), dtype=torch.long))
             self.register_buffer('hidden_rms_ema', torch.zeros(()))  # EMA of mean s(h)
             self.register_buffer('s_tgt', torch.zeros(()))
-            self.register_buffer('step_hidden_rms', torch.zeros(()), persistent=False)
-            self.register_buffer('step_micro', torch.zeros(()), persistent=False)
+            self.register_buffer('step_hidden_rms', torch.zeros(()), persistent=False)  # Σ_tokens s(h)
+            self.register_buffer('step_micro', torch.zeros(()), persistent=False)       # collecting forwards
+            self.register_buffer('step_tokens', torch.zeros(()), persistent=False)      # their tokens
         if config.norm_removal == 'fakeln':  # FakeLN's removal events so far (docs/method.md §7)
             self.register_buffer('fakeln_stage', torch.zeros((), dtype=torch.long))
             self.register_load_state_dict_post_hook(lambda module, keys: sync_fakeln(module))
         self.last_metrics = None
         self.collect = None  # see set_collect
+        self._calibration = None  # calibration_buffers()' lists, built on first use, dropped by _apply
         self.register_buffer('radial_sink', torch.zeros((), requires_grad=True), persistent=False)
         self.register_buffer('causal_mask', None, persistent=False)  # (T_max, T_max) additive, by setup_caches
         self.set_phase('baseline' if config.taper == 'none' else 'warmup')
@@ -466,6 +475,7 @@ class GPT(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         super()._apply(fn, *args, **kwargs)
+        self._calibration = None  # .to() / .float() replace the buffers it lists
         # .to(device) returns a non-leaf copy of a requires_grad buffer: make the sink a leaf again
         self.radial_sink = self.radial_sink.detach().requires_grad_()
         return self
@@ -515,7 +525,12 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def set_gate(self, g):
-        """Set the global gate g in place (a Python float; the buffer keeps its identity)."""
+        """Set the global gate g in place (a Python float; the buffer keeps its identity).
+        Raises ValueError for g outside [0, 1] (NaN included): TaperNorm mixes its two branches with
+        weights g and 1 − g, and beyond them it extrapolates (docs/method.md §1)."""
+        if not 0.0 <= g <= 1.0:
+            raise ValueError(f"gate g = {g:.6g} is outside [0, 1]: the gate schedule (train.get_gate) must "
+                             "run from 1 to 0")
         self.gate.fill_(g)
 
     # ---- calibration (docs/method.md §3, §4) ------------------------------------------------------
@@ -530,9 +545,26 @@ class GPT(nn.Module):
         for _, m in self.tapernorms():
             m.collect = mode
 
+    def calibration_buffers(self):
+        """(sums, emas): the buffers calibration_step reads and updates, in matching order. sums: each
+        TaperNorm's step_sums (2, d), then step_hidden_rms, step_micro, step_tokens; emas: each
+        TaperNorm's calib_num, calib_den (d,), then hidden_rms_ema as a (1,) view. Built once and kept
+        (a walk of the modules costs ~0.1 ms of host time, every warmup step), until _apply replaces
+        the buffers."""
+        if self._calibration is None:
+            norms = [m for _, m in self.tapernorms()]
+            self._calibration = ([m.step_sums for m in norms] + [self.step_hidden_rms, self.step_micro, self.step_tokens],
+                                 [t for m in norms for t in (m.calib_num, m.calib_den)] + [self.hidden_rms_ema.view(1)])
+        return self._calibration
+
     @torch.no_grad()
-    def _calibration_sums(self, norms):
-        return [t for m in norms for t in (m.step_num, m.step_den)] + [self.step_hidden_rms, self.step_micro]
+    def _step_statistics(self):
+        """The statistics collected since the last call, summed over ranks, as (means, micro-batches):
+        means (2 · n_norms · d + 1,) = each TaperNorm's N, then D, then mean s(h), each Σ_tokens / tokens
+        (laid out as calibration_buffers' emas); micro-batches: the collecting forwards (0-dim). The
+        sums are zeroed."""
+        flat = all_reduce_flat(self.calibration_buffers()[0])
+        return flat[:-2] / flat[-1], flat[-2]
 
     @torch.no_grad()
     def calibration_step(self):
@@ -544,18 +576,17 @@ class GPT(nn.Module):
         here; on CUDA a device-side assert (no host sync each step), which surfaces at the next
         synchronization and leaves the CUDA context unusable.
         """
-        norms = [m for _, m in self.tapernorms()]  # one walk of the modules a step, not two (~0.1 ms of host time each)
-        *totals, n_micro = all_reduce_sums(self._calibration_sums(norms))
+        means, n_micro = self._step_statistics()
         message = "calibration_step() without a forward under set_collect('calibration')"
         if n_micro.device.type == 'cpu':
             if n_micro.item() == 0:
                 raise RuntimeError(message)
         else:  # checked on the device: .item() would stop the host every warmup step
             torch._assert_async(n_micro > 0, message)
-        emas = [t for m in norms for t in (m.calib_num, m.calib_den)] + [self.hidden_rms_ema]
-        # ema ← ρ·ema + (1 − ρ)·mean, for the whole model in two foreach ops, not three per buffer: on a
-        # GPU each op is a kernel launch, and All-Taper has 2·(2·n_layer + 1) + 1 buffers
-        torch._foreach_lerp_(emas, torch._foreach_div(totals, n_micro), 1 - CALIB_DECAY)
+        # ema ← ρ·ema + (1 − ρ)·mean for every statistic in one foreach op, not one per buffer: on a
+        # GPU each op is a kernel launch, and All-Taper has 2·(2·n_layer + 1) + 1 of them
+        emas = self.calibration_buffers()[1]
+        torch._foreach_lerp_(emas, means.split([t.numel() for t in emas]), 1 - CALIB_DECAY)
         self.calib_steps += 1
 
     @torch.no_grad()
@@ -577,10 +608,10 @@ class GPT(nn.Module):
             raise RuntimeError("the model is already calibrated; the calibrate event runs once")
         norms = self.tapernorms()
         if mode == 'end':
-            *totals, n_micro = all_reduce_sums(self._calibration_sums([m for _, m in norms]))
+            means, n_micro = self._step_statistics()  # N, D per layer, then mean s(h)
             if n_micro.item() == 0:
                 raise RuntimeError("calibrate('end') before any forward under set_collect('calibration')")
-            *stats, s_tgt = [t / n_micro for t in totals]  # N, D per layer, then mean s(h)
+            stats, s_tgt = means[:-1].view(2 * len(norms), -1).unbind(0), means[-1]
         elif mode == 'ema':
             steps = int(self.calib_steps)
             if steps == 0:
@@ -643,8 +674,9 @@ class GPT(nn.Module):
         hidden_rms = s.detach().mean()
         if tapering and self.phase == 'warmup' and self.collect == 'calibration':
             with torch.no_grad():  # s_tgt's statistic, once per micro-batch
-                self.step_hidden_rms += hidden_rms
+                self.step_hidden_rms.add_(hidden_rms, alpha=B * T)  # a token sum, as the norms' sums are
                 self.step_micro += 1
+                self.step_tokens += B * T
         aux = aux_loss(s, self.s_tgt, self.config.aux_weight, self.config.aux_form) if aux_on else None
 
         if torch.is_grad_enabled():  # backward leaves mean cos(∂CE/∂h, h) in radial_sink.grad

@@ -48,12 +48,18 @@ class Norm(nn.Module):
         return self.normalize(h)
 
 
-def all_reduce_sums(sums):
-    """Statistics collected on each rank (a list of tensors), all-reduced over ranks under torch.distributed (one call, so every
-    rank gets the same values from every rank's data), as a list shaped like `sums`; the
-    sums are zeroed."""
+def all_reduce_flat(sums):
+    """Statistics collected on each rank (a list of tensors) as one flat tensor, all-reduced over
+    ranks under torch.distributed (one call, so every rank gets the same values from every rank's
+    data); the sums themselves are zeroed. Returns (Σ numel,) in the order of `sums`."""
     flat = torch.cat([t.view(-1) for t in sums])
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(flat)
     torch._foreach_zero_(sums)  # one launch for every buffer (foreach: a fused kernel on CUDA)
+    return flat
+
+
+def all_reduce_sums(sums):
+    """all_reduce_flat(sums) as a list of tensors shaped like `sums`."""
+    flat = all_reduce_flat(sums)
     return [t.view_as(s) for t, s in zip(flat.split([s.numel() for s in sums]), sums)]

@@ -11,11 +11,14 @@ docs/runs.md.
 import atexit
 import dataclasses
 import datetime
+import errno
 import functools
 import json
 import os
+import shlex
 import signal
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -121,8 +124,9 @@ def find_dataset(cfg, may_prepare, cpu_hint=''):
 
 def check_dataset(folder, block_size, fix):
     """meta.json of a dataset folder after checking it and both .bin files: readable JSON with
-    an integer vocab_size, a whole number of uint16 tokens, at least block_size + 1 of them,
-    every id below vocab_size. SystemExit naming the file and the fix otherwise."""
+    an integer vocab_size, a whole number of uint16 tokens, as many as meta.json's tokens[split]
+    where it has them, at least block_size + 1, every id below vocab_size. SystemExit naming the
+    file and the fix otherwise."""
     path = os.path.join(folder, 'meta.json')
     try:
         with open(path) as f:
@@ -138,6 +142,10 @@ def check_dataset(folder, block_size, fix):
         if size % 2:
             raise SystemExit(f"{path} holds {size} bytes, not a whole number of uint16 tokens (truncated?); "
                              f"prepare the dataset again: {fix}")
+        counted = (meta.get('tokens') or {}).get(split)  # written by data/common.py; a hand-made meta.json may lack it
+        if counted is not None and size // 2 != counted:  # e.g. the same ids rewritten as uint32: 0 between every two
+            raise SystemExit(f"{path} holds {size // 2:,} uint16 tokens, but meta.json says {counted:,} (rewritten in "
+                             f"another dtype, or files from two preparations?); prepare the dataset again: {fix}")
         if size // 2 < block_size + 1:  # one window: block_size inputs and their block_size targets
             raise SystemExit(f"{path} has {size // 2} tokens, fewer than block_size + 1 = {block_size + 1} (one "
                              f"window); use a smaller --block_size or more data")
@@ -147,6 +155,37 @@ def check_dataset(folder, block_size, fix):
             raise SystemExit(f"{path} holds token id {top}, outside meta.json's vocab_size {vocab_size} "
                              f"(files from two preparations?); prepare the dataset again: {fix}")
     return meta
+
+
+def check_same_data(ckpt, folder, meta):
+    """For a resume from the checkpoint dict ckpt: SystemExit unless `meta` (folder's meta.json) is
+    the checkpoint's `meta`, both less their 'sources', as study.data_of compares datasets (the same
+    text prepared from another path matches): another dataset at the same vocab_size would give the
+    run's ids other tokens. The message names the keys that differ and the folder the run trained
+    on. ckpt None (a run from scratch) or without a meta passes: there is nothing to compare with."""
+    if ckpt is None or ckpt.get('meta') is None:
+        return
+    now, was = ({k: v for k, v in m.items() if k != 'sources'} for m in (meta, ckpt['meta']))
+    if now == was:
+        return
+    absent = object()  # a key one of the two lacks
+
+    def short(v):
+        return 'absent' if v is absent else repr(v) if len(repr(v)) <= 60 else f'a {type(v).__name__}'
+
+    def differs(k):
+        a, b = now.get(k, absent), was.get(k, absent)
+        if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            return f"{k} ({sum(x != y for x, y in zip(a, b)):,} of {len(a):,} differ)"
+        return f"{k} ({short(a)} here, {short(b)} in the run's)"
+
+    diff = '; '.join(differs(k) for k in sorted(now.keys() | was.keys()) if now.get(k, absent) != was.get(k, absent))
+    run = ckpt.get('config') or {}
+    trained = os.path.join(REPO, run.get('data_dir', 'data'), run.get('dataset', '?'))
+    where = ('was prepared again since the run trained on it' if os.path.abspath(trained) == os.path.abspath(folder)
+             else f'is not the dataset the run trained on ({trained})')
+    raise SystemExit(f"--init_from=resume: {folder} {where}: its meta.json differs in {diff}; resume on the run's "
+                     "data (--data_dir), or train on this dataset in a new --out_dir")
 
 
 # ---- seeded streams of windows, and the final losses over whole splits ---------------------------
@@ -193,18 +232,25 @@ def mean_ce(model, data, starts, batch_size, block_size, env, desc='windows'):
     was_training = model.training
     model.eval()
     mine = list(starts[env.rank::env.world])
-    total = torch.zeros(2, device=env.dev, dtype=torch.float64)  # sum of CE over tokens, tokens
-    total[1] = len(mine) * block_size  # counted on the host: no device tensor per batch
+    ces, counts = [], []  # each batch's mean CE stays on the device: one transfer at the end, no sync per batch
     try:
         for k in tqdm(range(0, len(mine), batch_size), desc=desc, leave=False, disable=None if env.master else True):
             x, y = windows(data, mine[k:k + batch_size], block_size, env.dev)
             with env.autocast:
                 model(x, y)
-            total[0] += model.last_metrics.ce.double() * y.numel()
+            ces.append(model.last_metrics.ce.detach().float())
+            counts.append(y.numel())
     finally:  # also when a signal cuts the work short (StopSignal.cut_short)
         model.train(was_training)
-    if env.ddp:
-        torch.distributed.all_reduce(total)
+    # the sum over many batches needs float64, which MPS (Apple silicon) lacks: it is made on the host
+    total = torch.zeros(2, dtype=torch.float64)  # sum of CE over tokens, tokens
+    total[1] = len(mine) * block_size
+    if ces:
+        total[0] = torch.stack(ces).cpu().double() @ torch.tensor(counts, dtype=torch.float64)
+    if env.ddp:  # NCCL reduces only device tensors (CUDA has float64); gloo, the only backend off CUDA, host ones
+        shared = total.to(env.dev) if torch.distributed.get_backend() == 'nccl' else total
+        torch.distributed.all_reduce(shared)
+        total = shared.cpu()
     return (total[0] / total[1]).item()
 
 
@@ -228,13 +274,21 @@ def duration(seconds):
     return f'{hours} h {minutes} min'
 
 
+def clock(seconds):
+    """seconds as a clock reads, for a line printed often: '0:07', '4:05', '1:02:09'."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f'{hours}:{minutes:02d}:{secs:02d}' if hours else f'{minutes}:{secs:02d}'
+
+
 class Progress:
     """The time a run has left, estimated from its own timings and printed by rank 0: first from
     the first evaluation batch it times (a training step taken as STEP_FORWARDS forward batches per
     micro-batch: a backward pass costs about two forwards), a first-batch figure that its line says
     runs high (1.3-2.1x where measured), then once more after its first FIRST_STEPS training steps
     (within 5 % where measured). On a CPU, an estimate above CPU_LONG_S also prints one line that
-    says so, with `hint` (a shorter command, from train.py) when there is one.
+    says so, with `hint` (a shorter command, from train.py) when there is one. Each logged step's
+    line ends with status(): the share done, the time elapsed and the time left.
 
     folder: the dataset folder (its val split sets the final losses' batches, runs.final_losses)."""
 
@@ -247,6 +301,7 @@ class Progress:
         per_rank = -(-windows // env.world)
         self.final_batches = 2 * -(-per_rank // cfg.batch_size)  # val, and as many train windows
         self.batch_s, self.step_s, self.warned = None, [], False
+        self.start, self.steps, self.later_s = time.perf_counter(), 0, 0.0  # later_s: the steps after the first
 
     def forward_batches_left(self, it):
         """Forward passes of one batch still ahead before iteration it runs: the evaluations from
@@ -270,12 +325,37 @@ class Progress:
 
     def step(self, it, seconds):
         """Training step it took `seconds` (evaluation excluded)."""
-        self.step_s.append(seconds)
-        if len(self.step_s) == self.FIRST_STEPS:
+        self.steps += 1
+        if self.steps > 1:
+            self.later_s += seconds
+        if self.steps <= self.FIRST_STEPS:
+            self.step_s.append(seconds)
+        if self.steps == self.FIRST_STEPS:
             step_s = sum(self.step_s[1:]) / (self.FIRST_STEPS - 1)
             batch_s = self.batch_s or step_s / (self.STEP_FORWARDS * self.cfg.gradient_accumulation_steps)
             self.report(self.cfg.max_iters - it - 1, step_s, self.forward_batches_left(it + 1), batch_s,
                         f'from iterations {it + 2 - self.FIRST_STEPS}–{it}')
+
+    def left(self, it):
+        """Seconds left before iteration it runs: its steps at the mean of this process's steps after
+        the first (on CUDA only the logged steps wait for the device, so the mean is right at them), its
+        forward batches (forward_batches_left) at the first evaluation batch's time; each estimated from
+        the other while only one is known. None before either is."""
+        per_step = self.STEP_FORWARDS * self.cfg.gradient_accumulation_steps  # forward batches a step costs
+        step_s = self.later_s / (self.steps - 1) if self.steps > 1 else None
+        if step_s is None and self.batch_s is None:
+            return None
+        batch_s = self.batch_s if self.batch_s is not None else step_s / per_step
+        step_s = step_s if step_s is not None else per_step * batch_s
+        return (self.cfg.max_iters - it) * step_s + self.forward_batches_left(it) * batch_s
+
+    def status(self, it):
+        """After training step it, for its log line: '12% 0:41 elapsed, 6:02 left' (the iterations done of
+        max_iters, rounded down: 100 % is the last step; elapsed: since this process began the run;
+        left: left(it + 1), omitted while unknown)."""
+        done = f"{100 * (it + 1) // self.cfg.max_iters}% {clock(time.perf_counter() - self.start)} elapsed"
+        left = self.left(it + 1)
+        return done if left is None else f"{done}, {clock(left)} left"
 
     def report(self, steps, step_s, batches, batch_s, source):
         if not self.env.master:
@@ -398,14 +478,25 @@ def wrap_ddp(model, env):
 TEMP_FILES = ('ckpt.pt.tmp', 'log.jsonl.tmp')
 
 
+def check_writable(folder, arg):
+    """SystemExit with one line unless this process can create files in folder, made if missing
+    (a read-only filesystem, another user's folder). arg: the argument that named it ('--out_dir')."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):  # a file with no name: nothing is left behind
+            pass
+    except OSError as e:
+        raise SystemExit(f"cannot write in {folder} ({e.strerror}): choose another {arg}") from None
+
+
 def claim_out_dir(cfg, iter_num):
     """Make out_dir this process's run before anything is written to it. Returns the open lock
     file (keep it open: the lock lasts as long as this process, so a run killed with kill -9
     leaves nothing that blocks its resume); stale TEMP_FILES (a process killed mid-write) go.
-    SystemExit when another train.py holds out_dir, or
+    SystemExit when out_dir cannot be written (check_writable), another train.py holds it, or
     a scratch run meets a used out_dir without --overwrite=True. On resume the log keeps only
     the records before iter_num, so it reads as one uninterrupted run."""
-    os.makedirs(cfg.out_dir, exist_ok=True)
+    check_writable(cfg.out_dir, '--out_dir')
     lock = open(os.path.join(cfg.out_dir, '.lock'), 'a')
     if fcntl is not None:
         try:
@@ -426,10 +517,9 @@ def claim_out_dir(cfg, iter_num):
         for path in used:
             os.remove(path)
     if cfg.init_from == 'resume' and os.path.exists(log_path):
-        with open(log_path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)['iter'] < iter_num]
+        kept = [r for r in read_log(cfg.out_dir) if r['iter'] < iter_num]  # a torn last line goes too
         with open(log_path + '.tmp', 'w') as f:
-            f.writelines(kept)
+            f.writelines(json.dumps(r) + '\n' for r in kept)
         os.replace(log_path + '.tmp', log_path)
     return lock
 
@@ -515,8 +605,9 @@ class StopSignal:
             signal.signal(s, handler)
 
 
-def log(record, cfg, env):
-    """Append one record to out_dir/log.jsonl (rank 0) and print the step records."""
+def log(record, cfg, env, progress=''):
+    """Append one record to out_dir/log.jsonl (rank 0) and print the step records, a step's line
+    ending with `progress` (Progress.status) when given."""
     if not env.master:
         return
     with open(os.path.join(cfg.out_dir, 'log.jsonl'), 'a') as f:
@@ -534,27 +625,56 @@ def log(record, cfg, env):
         val = f" | val {r['val_loss']:.4f}" if 'val_loss' in r else ''
         print(f"iter {r['iter']:6d} {r['phase']:>8s} g={r['gate']:.4f} | loss {r['loss']:.4f} (ce {r['ce']:.4f} "
               f"aux {r['aux']:.2e}) | hidden_rms {r['hidden_rms']:.3f} logit_rms {r['logit_rms']:.3f} | "
-              f"lr {r['lr']:.2e} | {r['step_ms']:.0f} ms {r['tokens_per_s']:,.0f} tok/s{val}")
+              f"lr {r['lr']:.2e} | {r['step_ms']:.0f} ms {r['tokens_per_s']:,.0f} tok/s{val}"
+              f"{' | ' + progress if progress else ''}")
     elif 'final_val_loss' in r:
         print(f"final_val_loss {r['final_val_loss']:.4f} (whole val split, non-overlapping windows of "
               f"{cfg.block_size}), final_train_loss {r['final_train_loss']:.4f} (as many train windows)")
 
 
+CUT_SAID = set()  # (log path, line) of the cut-short lines said: a log read twice (resume does) says it once
+
+
+def read_log(out_dir):
+    """The records (dicts, each with 'iter') of out_dir/log.jsonl in file order, [] without one:
+    the one reader of a run's log (resume, study.py, plot.py). A last line that is not a record
+    is an append cut short (a full disk, a power loss): it is dropped, and stderr says so in one
+    line. SystemExit naming the file and line for any other line that is not a record."""
+    path = os.path.join(out_dir, 'log.jsonl')
+    if not os.path.exists(path):
+        return []
+    with open(path, 'rb') as f:  # bytes: a torn line may end inside a character
+        lines = [(n, line) for n, line in enumerate(f.read().split(b'\n'), 1) if line.strip()]
+    records = []
+    for k, (n, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or 'iter' not in record:
+                raise ValueError('not a record with an iteration')
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            if k == len(lines) - 1:
+                if (path, n) not in CUT_SAID:
+                    CUT_SAID.add((path, n))
+                    say(f"{path}: its last line ({n}) is cut short (the write was interrupted: a full disk or a "
+                        f"power loss); read without it")
+                break
+            raise SystemExit(f"{path}, line {n}: not a log record ({e}); only a last line may be cut short: "
+                             f"repair or delete that line") from None
+        records.append(record)
+    return records
+
+
 def final_record(out_dir):
     """The record with final_val_loss in out_dir/log.jsonl (the last one), or None: a run whose
     log has it is finished."""
-    path = os.path.join(out_dir, 'log.jsonl')
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return next((r for r in reversed([json.loads(line) for line in f if line.strip()])
-                     if 'final_val_loss' in r), None)
+    return next((r for r in reversed(read_log(out_dir)) if 'final_val_loss' in r), None)
 
 
 # ---- checkpoints: written atomically, read by one loader -----------------------------------------
 
 def save_checkpoint(obj, path):
-    """torch.save to a temp file, fsync, then rename: a crash or Ctrl-C mid-save keeps the old file."""
+    """torch.save to a temp file, fsync, then rename: a crash or Ctrl-C mid-save keeps the old file.
+    SystemExit in one line, the old file kept, where path's filesystem is full."""
     tmp = path + '.tmp'
     try:
         with open(tmp, 'wb') as f:
@@ -562,6 +682,17 @@ def save_checkpoint(obj, path):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except Exception as e:
+        # torch.save reports a failed write as 'unexpected pos A vs B'; the OSError is its context
+        cause = e
+        while cause is not None and getattr(cause, 'errno', None) not in (errno.ENOSPC, errno.EDQUOT):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        folder = os.path.dirname(os.path.abspath(path))
+        raise SystemExit(f"the filesystem of {folder} is full ({cause.strerror}) writing {os.path.basename(path)}: "
+                         f"an atomic save needs room for two checkpoints (the old file stays whole until the new "
+                         f"one is); free space there") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -693,6 +824,7 @@ class Run:
         self.progress = Progress(cfg, env, folder, hint)
         self.signals = StopSignal(talk=env.master, doing=self.doing)
         self.current, self.asked, self.cut_at, self.said = None, False, None, set()
+        self.first_iter = iter_num
 
     def __enter__(self):
         self.signals.__enter__()
@@ -742,7 +874,7 @@ class Run:
         """log(record) unless rank 0 cut this iteration's evaluation under DDP: its checkpoint
         resumes before the iteration, so nothing of it is logged."""
         if self.cut_at is None:
-            log(record, self.cfg, self.env)
+            log(record, self.cfg, self.env, self.progress.status(record['iter']) if 'loss' in record else '')
 
     def say_once(self, key, line):
         """line on stderr (rank 0), the first time key is said."""
@@ -803,6 +935,22 @@ class Run:
         self.progress.step(it, seconds)
         return seconds
 
+    def say_done(self, phase):
+        """The finished run's last two lines: its time (this process's: a resumed run says where it
+        resumed) and what comes next, fold.py then sample.py where its norms fold (TaperNorm in the
+        linear phase, FakeLN), else sample.py."""
+        cfg = self.cfg
+        ran = (f"iterations {self.first_iter:,}–{self.iter_num:,} (resumed)" if self.first_iter else
+               f"{self.iter_num:,} iterations")
+        print(f"done: {ran}, {clock(time.perf_counter() - self.progress.start)} elapsed; the trained model is "
+              f"{self.ckpt_path}", flush=True)
+        if phase == 'linear' or cfg.norm_removal == 'fakeln':
+            folded = os.path.join(cfg.out_dir, 'folded.pt')
+            print(f"next, fold it, then sample: python fold.py --ckpt={shlex.quote(self.ckpt_path)} "
+                  f"--out={shlex.quote(folded)} && python sample.py --ckpt={shlex.quote(folded)}", flush=True)
+        else:
+            print(f"next, sample: python sample.py --ckpt={shlex.quote(self.ckpt_path)}", flush=True)
+
     def end_iteration(self, it, stop):
         """Iteration it is done: iter_num becomes it + 1, or the run stops here after a signal.
         stop: the step's agreed flag (train_step's, all-reduced); one process reads its own signal,
@@ -832,6 +980,8 @@ class Run:
             self.stop('during the final losses', self.iter_num, save=False)
         self.log({'iter': self.iter_num, 'phase': phase, 'final_val_loss': losses[0], 'final_train_loss': losses[1],
                   'device': env.dev, 'dtype': env.dtype, 'tf32': env.tf32})
+        if env.master:
+            self.say_done(phase)
         if self.signals.received is not None:  # after the final losses (DDP): the run is complete
             if env.master:
                 say(f"stopped by {signal.Signals(self.signals.received).name} after the final losses: the run in "

@@ -39,13 +39,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from baselines import FAKELN_EVENTS, fakeln_step, final_dyt_saturated, remove_norms, saturation_warning
+from baselines import FAKELN_EVENTS, NORM_FREE, fakeln_step, final_dyt_saturated, remove_norms, saturation_warning
 from configurator import (ConfigError, changed_keys, check_compiler, config_files, configure, defaults_of, keys_set,
                           overlay_rank)
 from gpt2 import GPT2_MODELS, PRETRAINED_SHAPE, PretrainedError, from_pretrained, pretrained_args
 from model import GPT, GPTConfig, branch_mismatch
-from runs import (Run, Stopped, batch_rng, compile_model, end_processes, final_losses, final_record, find_dataset,
-                  model_from_state_dict, resume_command, resume_config, setup, windows, wrap_ddp)
+from runs import (Run, Stopped, batch_rng, check_same_data, compile_model, end_processes, final_losses, final_record,
+                  find_dataset, model_from_state_dict, resume_command, resume_config, setup, windows, wrap_ddp)
 
 # -----------------------------------------------------------------------------
 # data
@@ -333,8 +333,9 @@ def train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stop=No
     grad_norm (before clipping), dyt_saturated (baselines.final_dyt_saturated) and stop: whether
     stop() (runs.Run.stop_asked: has this process received a signal?) was true on any rank when its
     gradients were complete (it rides on the same all-reduce, so every rank stops at the same
-    step), all read from the device in one
-    .tolist(), the step's only host sync. SystemExit on a non-finite loss, before the optimizer
+    step), all read from the device in one .tolist(), the step's only host sync. In the 'ema'
+    warmup (raw_model collecting 'calibration') it also runs raw_model.calibration_step(), before
+    that sync. SystemExit on a non-finite loss, before the optimizer
     step. batches: a Batches (the next step's first micro-batch is built before that sync)."""
     torch.manual_seed(int(np.random.SeedSequence([cfg.seed, it, env.rank]).generate_state(1)[0]))  # dropout
     sums = torch.zeros(9, device=env.dev)
@@ -348,6 +349,8 @@ def train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stop=No
         m, sink = raw_model.last_metrics, raw_model.radial_sink  # sink.grad: radial_cos (model.RadialCos)
         sums[:6] += torch.stack([loss.detach(), m.ce, m.aux, m.hidden_rms, m.logit_rms, sink.grad]).float()
         sink.grad = None
+    if raw_model.collect == 'calibration':  # the 'ema' warmup: this step's statistics into the EMAs of c and s_tgt
+        raw_model.calibration_step()  # before the host read below, so its host work overlaps the device's backward
     grad_norm = torch.nn.utils.clip_grad_norm_(
         [p for p in raw_model.parameters() if p.grad is not None],
         cfg.grad_clip if cfg.grad_clip > 0 else float('inf'))
@@ -489,20 +492,31 @@ def cpu_hint(argv):
 
 
 HEADER_KEYS = ('taper', 'norm', 'aux_weight', 'device', 'dtype', 'compile', 'out_dir')  # what the header line shows
+# keys that act only in some runs: config_line leaves them out of the others, where a changed value
+# (a config's, or schedule_scale's) would read as if it changed the run
+ACTS_WHEN = {
+    'gate_warmup_iters': lambda c: c.taper != 'none', 'taper_iters': lambda c: c.taper != 'none',
+    'calibration': lambda c: c.taper != 'none', 'calib_batches': lambda c: c.taper != 'none',
+    'aux_form': lambda c: c.aux_weight > 0, 'fakeln_interval': lambda c: c.norm_removal == 'fakeln',
+    'dyt_embed_scale': lambda c: c.norm in NORM_FREE, 'dyt_alpha0_scale': lambda c: c.norm in NORM_FREE,
+    'overwrite': lambda c: c.init_from != 'resume',
+}
 
 
 def config_line(argv, cfg):
-    """The line under the run's header: every key whose value differs from train.py's defaults
-    (configurator.changed_keys; the header's own HEADER_KEYS aside), so that a reader sees what
-    the run changed. For overlays given without a base config (python train.py config/cpu.py), it
-    first says which base they changed: train.py's defaults, the TinyStories baseline."""
+    """The line under the run's header: every key that acts in this run (ACTS_WHEN) and whose value
+    differs from train.py's defaults (configurator.changed_keys; the header's own HEADER_KEYS aside),
+    so that a reader sees what the run changed. For overlays given without a base config (python
+    train.py config/cpu.py), it first says which base they changed: train.py's defaults, the
+    TinyStories baseline."""
     files = config_files(argv)
-    changed = changed_keys(vars(cfg), defaults_of(globals()), HEADER_KEYS)
+    idle = tuple(k for k, acts in ACTS_WHEN.items() if not acts(cfg))
+    changed = changed_keys(vars(cfg), defaults_of(globals()), HEADER_KEYS + idle)
     base = ''
     if cfg.init_from != 'resume' and files and all(overlay_rank(f) > 0 for f in files):
         base = (f"no base config before {files[0]}: it changes train.py's defaults, the TinyStories baseline's "
                 "(config/tinystories_baseline.py, taper='none'; give a base config first for a TaperNorm variant); ")
-    return f"{base}changed from train.py's defaults: {changed or 'nothing'}"
+    return f"{base}changed from train.py's defaults beyond the header: {changed or 'nothing'}"
 
 
 def finished_run(cfg, env, ckpt):
@@ -531,6 +545,7 @@ def main(argv):
     if ckpt is not None and GPTConfig(**ckpt['model_args']) != GPTConfig(**model_args):  # older ones lack new keys
         raise SystemExit(f"--init_from=resume: the dataset {folder} has vocab_size {meta['vocab_size']}, "
                          f"the checkpoint's model {ckpt['model_args']['vocab_size']}: resume on the run's data")
+    check_same_data(ckpt, folder, meta)  # a resume on other data at the same vocab_size: refused
     iter_num = ckpt['iter_num'] if ckpt is not None else 0
     if iter_num >= cfg.max_iters and final_record(cfg.out_dir) is not None:
         return finished_run(cfg, env, ckpt)
@@ -563,7 +578,10 @@ def main(argv):
                 raw_model.set_phase(phase)  # the compiled model recompiles once, here
                 raw_model.set_collect('calibration' if phase == 'warmup' and cfg.calibration == 'ema' else None)
                 train_model = wrap_ddp(fwd_model, env)  # DDP must see the parameters this phase trains
-            raw_model.set_gate(gate)  # in place: no recompile
+            try:
+                raw_model.set_gate(gate)  # in place: no recompile
+            except ValueError as e:  # a schedule edited wrong: stop where it leaves [0, 1]
+                raise SystemExit(f"iteration {it}: {e}") from None
             fakeln_events(raw_model, it, run)  # FakeLN: a removal recompiles once, here
             for group in optimizer.param_groups:
                 group['lr'] = lr
@@ -571,8 +589,6 @@ def main(argv):
 
             t0 = time.perf_counter()
             stats = train_step(train_model, raw_model, optimizer, batches, cfg, env, it, run.stop_asked)
-            if phase == 'warmup' and cfg.calibration == 'ema':
-                raw_model.calibration_step()  # this step's statistics into the EMAs of c and s_tgt
             if cfg.norm_removal == 'fakeln':
                 fakeln_step(raw_model)  # σ(h) of the norms not yet removed, into their windows
             logged = it % cfg.log_interval == 0 or bool(record)

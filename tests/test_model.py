@@ -199,6 +199,123 @@ def test_calibration_statistics_average_micro_batches_and_decay_per_step():
 
 
 @pytest.mark.parametrize('kind', KINDS)
+def test_ema_calibration_over_steps_of_two_micro_batches_is_the_formula_worked_by_hand(kind):
+    """Three 'ema' steps of two micro-batches each, on different batches: c and s_tgt equal, to 1e-6,
+    the formula of docs/method.md §3-4 computed here in float64 from the norms' inputs: per step the
+    mean over micro-batches of the token means N_i = E[x_i²/r], D_i = E[x_i²] and of mean s(h), their
+    EMAs (ρ = CALIB_DECAY, from 0), c = Σ γ_i² N_i / Σ γ_i² D_i, s_tgt = EMA / (1 − ρ³)."""
+    model = tiny(kind, taper='all')
+    randomize_gains(model)
+    inputs = {n: [] for n, _ in model.tapernorms()}
+    for n, m in model.tapernorms():
+        m.register_forward_pre_hook(lambda mod, args, n=n: inputs[n].append(args[0].detach().double()))
+    batches = torch.randint(0, 64, (3, 2, 4, 16), generator=torch.Generator().manual_seed(1))
+    model.train()
+    model.set_collect('calibration')
+    for step in batches:
+        for x in step:
+            model(x, x)
+        model.calibration_step()
+    gammas = {n: m.weight.detach().double() for n, m in model.tapernorms()}
+    event = model.calibrate('ema')
+    rho = CALIB_DECAY
+    for name, hs in inputs.items():
+        ema_n = ema_d = 0
+        for k in range(3):
+            xs = [h.reshape(-1, 32) for h in hs[2 * k:2 * k + 2]]
+            xs = [x - x.mean(-1, keepdim=True) if kind == 'layernorm' else x for x in xs]
+            n = sum((x.pow(2) / (x.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()).mean(0) for x in xs) / 2
+            d = sum(x.pow(2).mean(0) for x in xs) / 2
+            ema_n, ema_d = rho * ema_n + (1 - rho) * n, rho * ema_d + (1 - rho) * d
+        g2 = gammas[name].pow(2)
+        assert event['c'][name] == pytest.approx(((g2 * ema_n).sum() / (g2 * ema_d).sum()).item(), rel=1e-6), name
+    ema_s = 0
+    for k in range(3):
+        s = sum(reference_r(h, kind).mean() for h in inputs['ln_f'][2 * k:2 * k + 2]) / 2
+        ema_s = rho * ema_s + (1 - rho) * s
+    assert event['s_tgt'] == pytest.approx((ema_s / (1 - rho ** 3)).item(), rel=1e-6)
+
+
+def test_calibration_step_follows_the_buffers_a_move_replaces():
+    """calibration_step keeps its lists of buffers between steps; .to() / .double() replace every
+    buffer, so the lists must be rebuilt: the next step's statistics land in the model's own EMAs."""
+    model = tiny(taper='internal')
+    x = torch.randint(0, 64, (4, 16))
+    model.set_collect('calibration')
+    model(x, x)
+    model.calibration_step()
+    model.double()
+    ln = model.transformer.h[1].ln_2
+    before, s_before = ln.calib_den.clone(), model.hidden_rms_ema.clone()
+    model(x, x)
+    model.calibration_step()
+    assert ln.calib_den.dtype == torch.float64 and torch.all(ln.calib_den > before)  # ρ·D + (1 − ρ)·D > ρ·D
+    assert model.hidden_rms_ema > s_before and int(model.calib_steps) == 2
+
+
+def count_ops(fn):
+    """{op name: calls} of the ATen ops fn() runs (views included), and fn's result."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    ops = Counter()
+    with Count():
+        out = fn()
+    return ops, out
+
+
+@pytest.mark.parametrize('kind, per_norm', [
+    # x², its row mean, + ε, rsqrt (1/r), [1/r, 1] (a pad), one product for both token sums; two views
+    # (h as (tokens, d), [1/r, 1]ᵀ)
+    ('rmsnorm', dict(pow=1, mean=1, add=1, rsqrt=1, constant_pad_nd=1, addmm_=1, view=1, t=1)),
+    ('layernorm', dict(pow=1, mean=2, add=1, rsqrt=1, constant_pad_nd=1, addmm_=1, view=1, t=1, sub=1)),  # + P h
+])
+def test_collecting_the_warmup_statistics_adds_six_ops_per_norm(kind, per_norm):
+    """A warmup forward under set_collect('calibration') against the same forward without: the ops
+    collection adds, counted by hand: per TaperNorm as listed (6 that compute for the RMS kind, where
+    the first version ran 10), per model three counters (Σ s(h), micro-batches, tokens); no other op."""
+    from collections import Counter
+    model = tiny(kind, taper='all')
+    x = torch.randint(0, 64, (4, 16))
+    plain, _ = count_ops(lambda: model(x, x))
+    model.set_collect('calibration')
+    collecting, _ = count_ops(lambda: model(x, x))
+    n_norms = len(model.tapernorms())
+    added = collecting.copy()
+    added.subtract(plain)
+    want = Counter({op: n * n_norms for op, n in per_norm.items()}) + Counter(add_=3)
+    assert {op: n for op, n in added.items() if n} == dict(want)
+
+
+def test_the_warmup_statistics_never_read_the_device_from_the_host():
+    """A collecting forward and calibration_step on the 'meta' device (no values anywhere), under a
+    dispatch mode that fails on every op that reads a value to the host: on a GPU none of them may
+    stall the host each warmup step (the check that a forward collected runs on the device)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    syncs = {'_local_scalar_dense', 'item', 'nonzero', 'equal', 'is_nonzero'}
+
+    class FailOnSync(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            assert func.overloadpacket.__name__ not in syncs, f'{func} reads the device from the host'
+            return func(*args, **(kwargs or {}))
+
+    model = tiny(taper='all').to('meta')
+    x = torch.zeros(4, 16, dtype=torch.long, device='meta')
+    model.train()
+    model.set_collect('calibration')
+    with FailOnSync():
+        model(x, x)
+        model.calibration_step()
+    assert model.transformer.h[0].ln_1.calib_num.device.type == 'meta'
+
+
+@pytest.mark.parametrize('kind', KINDS)
 def test_branch_mismatch_is_the_relative_distance_of_the_two_branches(kind):
     model = tiny(kind, taper='all')
     randomize_gains(model)

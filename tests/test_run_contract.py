@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -20,15 +21,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERS = 8
 
 
-def make_run(tmp_path, ddp=False):
-    """A Run over 8 iterations, evaluations at 0 and 4, in tmp_path/run (val split: 2 windows)."""
+def make_run(tmp_path, ddp=False, iter_num=0):
+    """A Run over 8 iterations, evaluations at 0 and 4, in tmp_path/run (val split: 2 windows),
+    starting at iter_num."""
     (tmp_path / 'val.bin').write_bytes(b'\0\0' * 33)
     cfg = SimpleNamespace(out_dir=str(tmp_path / 'run'), init_from='scratch', overwrite=False, max_iters=ITERS,
                           eval_interval=4, eval_iters=2, batch_size=2, block_size=16, gradient_accumulation_steps=1,
-                          taper='all', gate_warmup_iters=2, calib_batches=1, calibration='ema')
+                          taper='all', gate_warmup_iters=2, calib_batches=1, calibration='ema', norm_removal='none')
     env = SimpleNamespace(master=True, rank=0, world=2 if ddp else 1, ddp=ddp, device_type='cpu', dev='cpu',
                           dtype='float32', tf32=False)
-    return runs.Run(cfg, env, str(tmp_path), 0, lambda: {'model': {}, 'marker': 'state'})
+    return runs.Run(cfg, env, str(tmp_path), iter_num, lambda: {'model': {}, 'marker': 'state'})
 
 
 @pytest.fixture(autouse=True)
@@ -306,3 +308,54 @@ def test_an_error_under_ddp_propagates_without_a_collective(tmp_path, collective
         with run:
             raise RuntimeError('a failing step')
     assert collectives.calls == [] and signal.getsignal(signal.SIGTERM) != run.signals.handle
+
+
+def test_each_step_reaches_the_estimate_and_only_the_steps_asked_wait_for_cuda(tmp_path, capsys, monkeypatch):
+    """Run.step_took on a CUDA run (a stand-in torch.cuda.synchronize that counts its calls): each
+    step's seconds reach Progress, whose second estimate comes from iterations 1-2 (the first step
+    builds the optimizer's state); the device is waited for only on the steps asked to (train.py: the
+    logged ones), since a sync on every step stalls the GPU's queue."""
+    run = make_run(tmp_path)
+    run.env.device_type = 'cuda'
+    synced = []
+    monkeypatch.setattr(torch.cuda, 'synchronize', lambda device=None: synced.append(device))
+    asked = {0, 4}
+    for it in range(6):
+        run.step_took(it, time.perf_counter() - 0.25, synchronize=it in asked)
+    assert len(synced) == len(asked)
+    estimates = [line for line in capsys.readouterr().out.splitlines() if line.startswith('estimate: ')]
+    assert len(estimates) == 1 and ' 5 steps at 0.25 s ' in estimates[0]  # iterations 3-7 left
+    assert estimates[0].endswith('from iterations 1–2')
+
+
+@pytest.mark.parametrize('how', ['linear', 'baseline', 'fakeln', 'resumed'])
+def test_a_finished_run_ends_with_its_time_and_the_commands_that_come_next(tmp_path, capsys, monkeypatch, how):
+    """Each logged step's line ends with the share done and the time elapsed and left; the run's last
+    two lines give its time (this process's: a resumed run says so) and README's next commands: fold.py
+    then sample.py on the folded file where the norms fold (TaperNorm in the linear phase, FakeLN),
+    else sample.py on the checkpoint. runs' clock is a stand-in: each step takes 1 s."""
+    now = [1000.0]
+    monkeypatch.setattr(runs, 'time', SimpleNamespace(perf_counter=lambda: now[0]))
+    run = make_run(tmp_path, iter_num=4 if how == 'resumed' else 0)
+    if how == 'fakeln':
+        run.cfg.taper, run.cfg.norm_removal = 'none', 'fakeln'
+    with run:
+        while run.iter_num < ITERS:
+            it, t0 = run.iter_num, now[0]
+            now[0] += 1.0
+            run.log({'iter': it, 'loss': 1.0, 'phase': 'x', 'gate': 1.0, 'ce': 1.0, 'aux': 0.0, 'hidden_rms': 1.0,
+                     'logit_rms': 1.0, 'lr': 1e-3, 'step_ms': 1.0, 'tokens_per_s': 1.0,
+                     'step_s': run.step_took(it, t0, synchronize=True)})
+            run.end_iteration(it, False)
+        run.finish('baseline' if how in ('baseline', 'fakeln') else 'linear', lambda: (2.0, 1.0))
+    out = capsys.readouterr().out.splitlines()
+    steps = [line for line in out if line.startswith('iter ')]
+    took = 4 if how == 'resumed' else 8
+    assert steps[0].endswith(' tok/s | 62% 0:01 elapsed' if how == 'resumed' else ' tok/s | 12% 0:01 elapsed')
+    assert steps[-1].endswith(f' tok/s | 100% 0:0{took} elapsed, 0:01 left')  # final losses: 2 batches at 1/3 s
+    ckpt, folded = tmp_path / 'run' / 'ckpt.pt', tmp_path / 'run' / 'folded.pt'
+    ran = 'iterations 4–8 (resumed)' if how == 'resumed' else '8 iterations'
+    assert out[-2] == f'done: {ran}, 0:0{took} elapsed; the trained model is {ckpt}'
+    assert out[-1] == (f'next, fold it, then sample: python fold.py --ckpt={ckpt} --out={folded} && '
+                       f'python sample.py --ckpt={folded}' if how != 'baseline' else
+                       f'next, sample: python sample.py --ckpt={ckpt}')

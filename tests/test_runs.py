@@ -1,12 +1,17 @@
-"""Runs a user can trust (issue 10): one run per out_dir, resume as one uninterrupted run,
+"""Runs a user can trust: one run per out_dir, resume as one uninterrupted run,
 signals, bad data and bad input that end in one line instead of a traceback."""
 
+import builtins
+import errno
 import fcntl
+import io
+import json
 import os
 import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from types import SimpleNamespace
@@ -134,7 +139,7 @@ def test_a_signal_stops_after_the_step_in_progress(toy_data, tmp_path, monkeypat
     if where == 'during the step':
         signal_at(monkeypatch, train, 'train_batch', lambda f, c, e, it, micro: (it, micro) == (6, 1), signal.SIGTERM)
     else:
-        signal_at(monkeypatch, runs, 'log', lambda r, c, e: r.get('iter') == 6 and 'loss' in r, signal.SIGTERM)
+        signal_at(monkeypatch, runs, 'log', lambda r, *rest: r.get('iter') == 6 and 'loss' in r, signal.SIGTERM)
     with pytest.raises(SystemExit) as e:
         train.main(toy_args(toy_data, out))
     assert e.value.code == 143
@@ -229,6 +234,44 @@ def test_a_run_removes_stale_temp_files_from_its_folder(toy_data, tmp_path):
         (out / name).write_text('left by a killed process')
     train.main(toy_args(toy_data, out, max_iters=12, overwrite=True))
     assert not (out / 'log.jsonl.tmp').exists() and not (out / 'ckpt.pt.tmp').exists()
+
+
+def test_a_log_whose_last_line_was_cut_short_resumes_and_a_bad_line_before_it_is_refused(toy_data, tmp_path,
+                                                                                           monkeypatch, capfd):
+    """A full disk or a power loss mid-append leaves log.jsonl's last line cut short: resume drops
+    it, saying so in one line, and the log reads as one uninterrupted run. A line that is not a
+    record anywhere else is refused in one line naming the file and the line."""
+    from test_train import interrupt_at
+    straight = tmp_path / 'straight'
+    train.main(toy_args(toy_data, straight))
+    out = tmp_path / 'run'
+    interrupt_at(10, toy_args(toy_data, out), monkeypatch)  # its checkpoint: iteration 8
+    log = out / 'log.jsonl'
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text(''.join(lines) + lines[-1][:30])  # the next record, cut mid-write
+    capfd.readouterr()
+    train.main([f'--out_dir={out}', '--init_from=resume'])
+    err = capfd.readouterr().err
+    assert f"{log}: its last line ({len(lines) + 1}) is cut short" in err and 'Traceback' not in err
+    assert without_timing(read_log(out)) == without_timing(read_log(straight))
+
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text(''.join(lines[:3]) + lines[3][:30] + '\n' + ''.join(lines[3:]))  # a bad line 4 of many
+    with pytest.raises(SystemExit) as e:
+        train.main([f'--out_dir={out}', '--init_from=resume'])
+    assert str(e.value).startswith(f"{log}, line 4: not a log record (") and '\n' not in str(e.value)
+    assert 'repair or delete that line' in str(e.value)
+    log.write_text(''.join(lines[:-1]) + '[1, 2]\n')  # the last line whole, but not a record: cut short too
+    assert runs.read_log(out) == [json.loads(line) for line in lines[:-1]]
+
+    # the final record cut short: the finished run's resume computes it again, and says so once
+    log = straight / 'log.jsonl'
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text(''.join(lines[:-1]) + lines[-1][:-9])
+    capfd.readouterr()
+    train.main([f'--out_dir={straight}', '--init_from=resume'])
+    assert capfd.readouterr().err.count(f"{log}: its last line ({len(lines)}) is cut short") == 1
+    assert without_timing(read_log(straight)) == without_timing([json.loads(line) for line in lines])
 
 
 def read_lines(stream):
@@ -345,6 +388,27 @@ def test_the_estimate_counts_the_steps_and_forward_batches_left(tmp_path, capsys
     assert capsys.readouterr().out.splitlines() == [  # 13 × 5 + (3 × 2 + 16 + 88) × 2 = 285 s, below 400: no warning
         'estimate: 5 min left: 13 steps at 5 s and 110 forward batches (evaluations, calibration, final losses) '
         'at 2 s, from iterations 1–2']
+
+
+def test_each_logged_step_says_the_share_done_the_time_elapsed_and_the_time_left(tmp_path, capsys):
+    """Progress.status on the schedule of the test above, the process 125 s into the run. Worked by
+    hand: the time left counts the steps at the mean of those after the first (or, before there is
+    one, as the first estimate does, 3 × 2 forward batches) and the forward batches ahead at 2 s."""
+    (tmp_path / 'val.bin').write_bytes(b'\0\0' * 2800)
+    cfg = train.load_config(toy_args(tmp_path, tmp_path / 'run'))
+    p = runs.Progress(cfg, SimpleNamespace(world=1, master=False, device_type='cpu'), str(tmp_path))
+    p.start = time.perf_counter() - 125.2
+    assert p.status(0) == '6% 2:05 elapsed'  # nothing timed yet: no time left
+    p.evaluation_batch(0, 2.0)
+    p.step(0, 100.0)  # left out: it builds the optimizer's state
+    assert p.status(0) == '6% 2:05 elapsed, 6:40 left'  # 15 × 12 + (3 × 2 + 16 + 88) × 2 = 400 s
+    p.step(1, 4.0)
+    p.step(2, 6.0)
+    assert p.status(2) == '18% 2:05 elapsed, 4:45 left'  # 3 of 16 done; 13 × 5 + 110 × 2 = 285 s
+    for it in range(3, 16):
+        p.step(it, 5.0)
+    assert p.status(15) == '100% 2:05 elapsed, 2:56 left'  # the final losses: 88 × 2 s
+    assert [runs.clock(s) for s in (7.4, 245, 3729)] == ['0:07', '4:05', '1:02:09']
 
 
 @pytest.mark.parametrize('calibration', [None, 'end'])  # None: the default ('ema'), which toy_args overrides
@@ -472,6 +536,74 @@ def test_one_checkpoint_loader_with_one_line_errors(tmp_path, content, message):
         train.main([f'--out_dir={tmp_path}', '--init_from=resume'])
 
 
+def test_a_full_disk_during_a_checkpoint_says_so_in_one_line_and_keeps_the_old_one(tmp_path, monkeypatch):
+    """A write that runs out of room (a stand-in raising ENOSPC mid-file; torch.save itself then
+    reports 'unexpected pos') is one line saying the folder's filesystem is full and that an atomic
+    save needs room for two checkpoints; the old checkpoint is whole and no temp file is left."""
+    path = tmp_path / 'ckpt.pt'
+    runs.save_checkpoint({'model': {'w': torch.arange(10.)}, 'model_args': {}}, str(path))
+    real_open = open
+
+    class Full(io.FileIO):  # the disk fills after 2,000 bytes
+        error = errno.ENOSPC
+
+        def write(self, b):
+            if self.tell() + len(b) > 2000:
+                raise OSError(self.error, os.strerror(self.error))
+            return super().write(b)
+
+    monkeypatch.setattr(runs, 'open', lambda f, mode='r', *a, **k: Full(f, mode) if str(f).endswith('.tmp')
+                        else real_open(f, mode, *a, **k), raising=False)
+    with pytest.raises(SystemExit) as e:
+        runs.save_checkpoint({'model': {'w': torch.zeros(10_000)}, 'model_args': {}}, str(path))
+    assert str(e.value) == (f"the filesystem of {tmp_path} is full (No space left on device) writing ckpt.pt: an "
+                            "atomic save needs room for two checkpoints (the old file stays whole until the new one "
+                            "is); free space there")
+    assert torch.equal(torch.load(path, weights_only=True)['model']['w'], torch.arange(10.))
+    assert os.listdir(tmp_path) == ['ckpt.pt']
+    monkeypatch.setattr(Full, 'error', errno.EIO)
+    with pytest.raises((RuntimeError, OSError)):  # any other failed write is not called a full disk
+        runs.save_checkpoint({'model': {'w': torch.zeros(10_000)}, 'model_args': {}}, str(path))
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """read_only(folder): folder refuses every new file, as on a read-only filesystem; chmod where
+    that binds, and where it does not (root) a stand-in for the two ways the code creates files."""
+    made, real_open, real_temporary = [], builtins.open, tempfile.TemporaryFile
+
+    def refused(path):
+        return isinstance(path, (str, os.PathLike)) and os.path.abspath(path) in map(str, made)
+
+    def open_(file, mode='r', *args, **kw):
+        if refused(os.path.dirname(os.path.abspath(file)) if isinstance(file, (str, os.PathLike)) else None) \
+                and set(mode) & set('wax+'):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(file))
+        return real_open(file, mode, *args, **kw)
+
+    def temporary(*args, dir=None, **kw):
+        if refused(dir):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(dir))
+        return real_temporary(*args, dir=dir, **kw)
+
+    monkeypatch.setattr(builtins, 'open', open_)
+    monkeypatch.setattr(tempfile, 'TemporaryFile', temporary)
+    yield lambda folder: (folder.chmod(0o555), made.append(folder))
+    for folder in made:
+        folder.chmod(0o755)
+
+
+def test_a_read_only_out_dir_is_one_line_before_anything_runs(toy_data, tmp_path, read_only):
+    out = tmp_path / 'run'
+    out.mkdir()
+    read_only(out)
+    with pytest.raises(SystemExit) as e:
+        train.main(toy_args(toy_data, out))
+    assert str(e.value) in (f"cannot write in {out} ({os.strerror(n)}): choose another --out_dir"
+                            for n in (errno.EROFS, errno.EACCES))  # the stand-in's, or chmod's
+    assert os.listdir(out) == []
+
+
 def test_a_checkpoint_from_a_newer_version_names_the_keys_this_code_does_not_know(toy_data, tmp_path):
     """A model_args key GPTConfig lacks (a newer version's or a fork's qk_norm), or a config key
     train.py lacks: one line from every script that loads it, naming the key, never a TypeError
@@ -531,6 +663,20 @@ def test_compile_without_a_cxx_compiler_is_one_line():
 def test_misleading_inputs_get_the_message_the_user_needs(args, message):
     with pytest.raises(SystemExit, match=message.replace('?', r'\?').replace('.', r'\.')):
         train.load_config(args)
+
+
+@pytest.mark.parametrize('source, line, error', [
+    ('max_iters = 10\nn_layer = (4\n', 2, "SyntaxError: '(' was never closed"),
+    ('max_iters = 10\n\nn_layer = four\n', 3, "NameError: name 'four' is not defined"),
+    ('max_iters = 10\nn_layer = 4 // 0\n', 2, 'ZeroDivisionError: integer division or modulo by zero'),
+])
+def test_a_config_file_that_does_not_run_is_one_line_with_its_file_and_line(tmp_path, source, line, error):
+    path = tmp_path / 'my_config.py'
+    path.write_text(source)
+    with pytest.raises(SystemExit) as e:
+        train.load_config([str(path), '--seed=3'])
+    assert str(e.value) == (f"config error: config file {path}, line {line}: {error} (config files run as Python: "
+                            "correct the file)")
 
 
 @pytest.mark.parametrize('given', [
@@ -665,3 +811,97 @@ def test_a_checkpoint_from_before_the_calibration_key_loads_and_resumes_as_ema(t
     with pytest.raises(SystemExit, match=r"calibration='end' \(not stored: the run predates the key, so it ran "
                                          r"as calibration='ema'\)"):  # what the run held, not a default
         train.main([f'--out_dir={out}', '--init_from=resume', '--calibration=end'])
+
+
+def test_a_bin_file_that_disagrees_with_meta_jsons_token_count_is_refused_naming_both(toy_data, tmp_path):
+    """train.bin rewritten as uint32 holds the same ids, read as uint16 each followed by a 0: accepted
+    before (every id below vocab_size, an even size), the run trained on ids interleaved with 0."""
+    folder = toy_data / 'toy'
+    meta = {**json.loads((folder / 'meta.json').read_text()), 'tokens': {'train': 10_000, 'val': 2_800}}  # conftest's
+    (folder / 'meta.json').write_text(json.dumps(meta))
+    assert runs.check_dataset(str(folder), 16, 'FIX') == meta  # counts that agree pass
+    np.fromfile(folder / 'train.bin', dtype=np.uint16).astype(np.uint32).tofile(folder / 'train.bin')
+    message = r"train.bin holds 20,000 uint16 tokens, but meta.json says 10,000 .*; prepare the dataset again: FIX$"
+    with pytest.raises(SystemExit, match=message):
+        runs.check_dataset(str(folder), 16, 'FIX')
+    with pytest.raises(SystemExit, match=message.replace('FIX$', '')):
+        train.main(toy_args(toy_data, tmp_path / 'run'))
+    assert not (tmp_path / 'run').exists()
+
+
+def test_a_resume_on_other_data_is_refused_naming_what_differs_and_the_folder_the_run_trained_on(toy_data, tmp_path,
+                                                                                              monkeypatch):
+    """Another corpus prepared at the same vocab_size gives the run's compact ids other GPT-2 tokens:
+    the resume went on and replaced the checkpoint's meta. Refused before anything is written, unless
+    meta.json less its sources is the checkpoint's: the same data prepared from another path resumes."""
+    import re
+    import shutil
+    from test_train import interrupt_at
+    folder, ids = toy_data / 'toy', list(range(1000, 1063))  # compact id -> GPT-2 id, <unk> (63) left out
+    meta = dict(vocab_size=64, tokenizer='gpt2', gpt2_ids=ids, unk_id=63, eot_id=0,
+                tokens={'train': 10_000, 'val': 2_800}, sources=['a.txt'])
+    (folder / 'meta.json').write_text(json.dumps(meta))
+    out = tmp_path / 'run'
+    interrupt_at(6, toy_args(toy_data, out), monkeypatch)  # its checkpoint: iteration 4
+    ckpt, log = (out / 'ckpt.pt').read_bytes(), (out / 'log.jsonl').read_text()
+
+    def prepared(data_dir, **changes):
+        shutil.copytree(folder, data_dir / 'toy')
+        (data_dir / 'toy' / 'meta.json').write_text(json.dumps({**meta, **changes}))
+        return [f'--out_dir={out}', '--init_from=resume', f'--data_dir={data_dir}']
+
+    other = prepared(tmp_path / 'other', gpt2_ids=ids[:2] + [i + 5000 for i in ids[2:]])
+    with pytest.raises(SystemExit, match=re.escape(
+            f"--init_from=resume: {tmp_path / 'other' / 'toy'} is not the dataset the run trained on ({folder}): "
+            "its meta.json differs in gpt2_ids (61 of 63 differ); resume on the run's data (--data_dir)")):
+        train.main(other)
+    other = prepared(tmp_path / 'other2', eot_id=5, unk_rate={'train': 0.01})
+    with pytest.raises(SystemExit, match=re.escape("differs in eot_id (5 here, 0 in the run's); unk_rate "
+                                                   "({'train': 0.01} here, absent in the run's); resume")):
+        train.main(other)
+    (folder / 'meta.json').write_text(json.dumps({**meta, 'skipped_empty_docs': 3}))
+    with pytest.raises(SystemExit, match=re.escape(f"{folder} was prepared again since the run trained on it: its "
+                                                   "meta.json differs in skipped_empty_docs (3 here, absent")):
+        train.main([f'--out_dir={out}', '--init_from=resume'])
+    assert (out / 'ckpt.pt').read_bytes() == ckpt and (out / 'log.jsonl').read_text() == log
+    train.main(prepared(tmp_path / 'moved', sources=['elsewhere/a.txt']))  # the same text from another path
+    assert read_log(out)[-1]['final_val_loss'] > 0
+
+
+@pytest.mark.parametrize('world', [1, 2])
+def test_the_final_losses_read_the_device_once_and_sum_every_rank_in_float64_on_the_host(toy_data, monkeypatch,
+                                                                                      world):
+    """runs.mean_ce keeps each batch's CE on the device, reads them back in one .cpu() and sums in float64
+    on the host (MPS has none); under DDP (rank 0 of 2 here, gloo) it all-reduces that host [sum of CE
+    over tokens, tokens]: the mean over both ranks' windows is the single process's."""
+    from contextlib import nullcontext
+    import torch.nn.functional as F
+    from model import GPT, GPTConfig
+    from test_train import HostReads
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=64, block_size=16))
+    data = np.fromfile(toy_data / 'toy' / 'val.bin', dtype=np.uint16)
+    starts = [16 * i for i in range(10)]  # batches of 4: 4, 4, 2 windows in one process; 4, 1 on rank 0 of 2
+
+    def ce_sum(starts):  # float64 sum of the CE of every target token, from the logits
+        x = torch.from_numpy(np.stack([data[s:s + 16] for s in starts]).astype(np.int64))
+        y = torch.from_numpy(np.stack([data[s + 1:s + 17] for s in starts]).astype(np.int64))
+        with torch.no_grad():
+            logits = model(x, y)[0]
+        return F.cross_entropy(logits.double().reshape(-1, 64), y.reshape(-1), reduction='sum').item()
+
+    reduced, rank_1 = [], torch.tensor([ce_sum(starts[1::2]), 5 * 16], dtype=torch.float64)  # its 5 windows
+
+    def all_reduce(tensor):  # rank 1's share of the sums, added as gloo would
+        reduced.append((tensor.dtype, tensor.device.type))
+        tensor += rank_1
+
+    monkeypatch.setattr(torch.distributed, 'all_reduce', all_reduce)
+    monkeypatch.setattr(torch.distributed, 'get_backend', lambda: 'gloo')
+    env = SimpleNamespace(rank=0, world=world, ddp=world > 1, dev='cpu', master=True, autocast=nullcontext())
+    with HostReads() as reads:
+        got = runs.mean_ce(model, data, starts, 4, 16, env)
+    assert got == pytest.approx(ce_sum(starts) / (10 * 16), rel=1e-6)
+    # one read of the batches, not one per batch (on a GPU each waits for the device); DDP: the reduced copy's
+    assert reads.calls == ['cpu', 'item'] if world == 1 else ['cpu', 'cpu', 'item']
+    assert reduced == ([(torch.float64, 'cpu')] if world > 1 else [])

@@ -70,6 +70,25 @@ def test_schedule_at_and_around_each_boundary():
     assert {get_gate(it, 'none', W, T) for it in range(50)} == {1.0}
 
 
+def test_a_gate_outside_0_1_stops_the_run_in_one_line_naming_the_value_and_the_iteration(toy_data, tmp_path,
+                                                                                          monkeypatch):
+    """A linear schedule edited wrong (its ramp over T / 2 steps: g = 1, 2/3, 1/3, 0, then below 0 at
+    iteration W + 4 = 8) is refused where g leaves [0, 1], not trained on to the end."""
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32, taper='all'))
+    for g in (1.5, -0.25, float('nan')):
+        with pytest.raises(ValueError, match=r"^gate g = \S+ is outside \[0, 1\]"):
+            model.set_gate(g)
+    model.set_gate(0.0)
+    model.set_gate(1.0)
+    monkeypatch.setattr(train, 'get_gate', lambda it, taper, W, T: min(1.0, 1 - (it - W) / (T / 2)))
+    with pytest.raises(SystemExit) as e:
+        train.main(toy_args(toy_data, tmp_path / 'run'))
+    assert str(e.value) == ("iteration 8: gate g = -0.333333 is outside [0, 1]: the gate schedule (train.get_gate) "
+                            "must run from 1 to 0")
+    assert not any(r.get('iter', 0) >= 8 for r in read_log(tmp_path / 'run'))
+
+
 def test_learning_rate_schedule():
     lr = lambda it: get_lr(it, 1e-3, 1e-4, 10, 100)
     assert lr(0) == pytest.approx(1e-3 / 11) and lr(9) == pytest.approx(1e-3 * 10 / 11)
@@ -193,22 +212,35 @@ def test_string_keys_keep_their_text():
 def test_the_header_shows_every_key_changed_and_an_overlay_alone_says_which_base_it_changed(toy_data, tmp_path,
                                                                                              capsys):
     """The header line shows taper, norm, λ, where and how the run computes; the line under it every other
-    key that differs from train.py's defaults (the calibration and the schedule included). An overlay
-    given alone runs over those defaults, the baseline: it says so."""
+    key that differs from train.py's defaults (the calibration and the schedule included) and acts in
+    this run: the smoke overlay scales fakeln_interval, which only a FakeLN run lists. An overlay given
+    alone runs over those defaults, the baseline: it says so."""
     train.main(toy_args(toy_data, tmp_path / 'run', seed=1337))
     out = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(out) if ' parameters | taper=all norm=rmsnorm λ=0.1 | ' in line)
-    changed = out[header + 1].split("changed from train.py's defaults: ")[1].split()
+    changed = out[header + 1].split("changed from train.py's defaults beyond the header: ")[1].split()
     assert {"dataset='toy'", "calibration='end'", 'gate_warmup_iters=4', 'taper_iters=6', 'n_layer=2',
             'dropout=0.1'} <= set(changed)
     assert not any(k.startswith(('taper=', 'seed=', 'device=')) for k in changed)  # in the header, or unchanged
     line = train.config_line(['config/cpu.py'], load_config(['config/cpu.py']))
     assert line.startswith("no base config before config/cpu.py: it changes train.py's defaults, the TinyStories "
                            "baseline's (config/tinystories_baseline.py, taper='none'; ")
-    assert "changed from train.py's defaults: dataset='austen' " in line and ' max_iters=1500 ' in line
+    assert "changed from train.py's defaults beyond the header: dataset='austen' " in line and ' max_iters=1500 ' in line
     args = ['config/tinystories_internal_taper.py', 'config/cpu.py']
-    assert train.config_line(args, load_config(args)).startswith("changed from train.py's defaults: dataset='austen' ")
-    assert train.config_line([], load_config([])) == "changed from train.py's defaults: nothing"
+    assert train.config_line(args, load_config(args)).startswith(
+        "changed from train.py's defaults beyond the header: dataset='austen' ")
+    assert train.config_line([], load_config([])) == "changed from train.py's defaults beyond the header: nothing"
+    base = ['config/tinystories_baseline.py', 'config/cpu.py']
+    lists = {name: train.config_line(a + ['config/smoke.py'], load_config(a + ['config/smoke.py'])).split()
+             for name, a in [('all', ['config/tinystories_all_taper.py', 'config/cpu.py']),
+                             ('fakeln', base + ['--norm_removal=fakeln']),
+                             ('baseline', base + ['--calibration=end', '--aux_form=relative', '--dyt_alpha0_scale=2.0']),
+                             ('dyt', base + ['--norm=dyt', '--dyt_alpha0_scale=2.0'])]}
+    assert 'taper_iters=75' in lists['all'] and 'fakeln_interval=3' not in lists['all']
+    assert 'fakeln_interval=3' in lists['fakeln']
+    assert not any(k.startswith(('calibration=', 'aux_form=', 'dyt_alpha0_scale=', 'gate_warmup_iters='))
+                   for k in lists['baseline'])
+    assert 'dyt_alpha0_scale=2.0' in lists['dyt']
 
 
 def test_unknown_key_in_a_config_file(tmp_path):
@@ -594,6 +626,25 @@ def test_a_training_step_reads_the_device_once(toy_data, tmp_path, taper):
     # the next step's first micro-batch was built ahead, and is the one train_batch gives
     x, y = batches.get(2, 0)
     assert torch.equal(x, train.train_batch(str(toy_data / 'toy'), cfg, env, 2, 0)[0])
+
+
+def test_the_ema_warmup_step_updates_the_statistics_before_its_host_read(toy_data, tmp_path):
+    """In the 'ema' warmup train_step runs calibration_step itself, after the backward and before the
+    step's one host read (tolist): on a GPU its host work then overlaps the device's backward, and
+    under DDP every rank makes its all-reduce at the same point. A step that collects nothing runs none."""
+    cfg = load_config(toy_args(toy_data, tmp_path / 'x', taper='all', calibration='ema'))
+    env = train.setup(cfg)
+    model = GPT(GPTConfig(**{k: getattr(cfg, k) for k in train.MODEL_KEYS}, vocab_size=64))
+    opt = SimpleNamespace(step=lambda: None, zero_grad=model.zero_grad)
+    batches = train.Batches(str(toy_data / 'toy'), cfg, env)
+    real = model.calibration_step
+    with HostReads() as reads:
+        model.calibration_step = lambda: (reads.calls.append('calibration_step'), real())[1]
+        train.train_step(model, model, opt, batches, cfg, env, it=0)  # collect None: no statistics
+        model.set_collect('calibration')
+        train.train_step(model, model, opt, batches, cfg, env, it=1)
+    assert [c for c in reads.calls if c != 'item'] == ['tolist', 'calibration_step', 'tolist']
+    assert int(model.calib_steps) == 1 and model.transformer.h[0].ln_1.calib_den.min() > 0
 
 
 def flat(record, prefix=''):
