@@ -20,6 +20,7 @@ import ast
 import builtins
 import difflib
 import os
+import traceback
 from types import ModuleType, SimpleNamespace
 
 import torch
@@ -79,12 +80,35 @@ def unknown_key(key, known, where):
     return ConfigError(f"{where}: unknown config key {key!r}{hint}")
 
 
+def config_error(path, e):
+    """The ConfigError for exception e raised while parsing or running config file path: its file,
+    its line (a SyntaxError's own, else the deepest traceback frame in the file) and e."""
+    if isinstance(e, SyntaxError):
+        line, what = e.lineno, f"{type(e).__name__}: {e.msg}"
+    else:
+        line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), None)
+        what = f"{type(e).__name__}: {e}"
+    return ConfigError(f"config file {path}{f', line {line}' if line else ''}: {what} (config files run as "
+                       f"Python: correct the file)")
+
+
+def read_config(path):
+    """The source of config file path; ConfigError (config_error) where it is not Python."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            source = f.read()
+        ast.parse(source, path)
+    except (SyntaxError, ValueError) as e:  # ValueError: not UTF-8, or a NUL byte
+        raise config_error(path, e) from None
+    return source
+
+
 def overlay_rank(path):
     """A config file's place in the order files are given: the number it assigns to `_overlay` at
     its top level (config/cpu.py 1, config/smoke.py 2: an overlay changes what the files before
-    it set), 0 for a base config. Read from the source, without running it."""
-    with open(path) as f:
-        tree = ast.parse(f.read(), path)
+    it set), 0 for a base config. Read from the source, without running it; ConfigError naming
+    the file and line where it is not Python."""
+    tree = ast.parse(read_config(path), path)
     for node in tree.body:
         if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
                 and any(isinstance(t, ast.Name) and t.id == '_overlay' for t in node.targets)):
@@ -154,8 +178,11 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',), origins=None):
                               f"needs quotes, e.g. --start='It was a'")
         else:
             namespace = dict(cfg, __file__=os.path.abspath(arg))
-            with open(arg) as f:
-                exec(builtins.compile(f.read(), arg, 'exec'), namespace)
+            source = read_config(arg)
+            try:
+                exec(builtins.compile(source, arg, 'exec'), namespace)
+            except Exception as e:  # NameError, TypeError, ...: whatever the file's own code raises
+                raise config_error(arg, e) from None
             for key, value in namespace.items():
                 if key.startswith('_') or isinstance(value, ModuleType) or callable(value):
                     continue
@@ -272,7 +299,7 @@ def uses_tf32(device, dtype):
 
 def set_tf32(device, dtype):
     """Set torch's process-wide TF32 flags (cuBLAS matmul, cuDNN) to uses_tf32(device, dtype):
-    whatever ran before in the process (train.main in a test session) leaves nothing. Returns it."""
+    whatever ran before in the process (an earlier train.main in the same pytest process) leaves nothing. Returns it."""
     on = uses_tf32(device, dtype)
     torch.backends.cuda.matmul.allow_tf32 = on
     torch.backends.cudnn.allow_tf32 = on

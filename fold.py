@@ -36,7 +36,7 @@ import torch
 from baselines import FAKELN_EVENTS, NORM_FREE
 from configurator import ConfigError, configure, resolve_device, set_tf32
 from model import GPTConfig
-from runs import load_model, model_from_state_dict, resume_command, save_checkpoint
+from runs import check_writable, load_model, model_from_state_dict, resume_command, save_checkpoint
 
 # -----------------------------------------------------------------------------
 ckpt = ''           # a train.py checkpoint in the linear phase (g = 0)
@@ -154,14 +154,15 @@ def fold_model(model):
 @torch.no_grad()
 def max_logit_error(a, b, tokens, what):
     """Teacher-forced logits (B, T, V) on tokens (B, T) of a (the reference form, e.g. unfolded)
-    and b (the form under test), both judged against an fp64 copy of a. Returns
+    and b (the form under test), both judged against an fp64 copy of a on the CPU. Returns
     (max |logit_a − logit_b|, max |logit| in fp64). Raises CheckError, naming `what`, when
     err(b, fp64) > LOGIT_SLACK · err(a, fp64) + LOGIT_FLOOR · max |logit|: b may be no worse than
     a's own fp32 rounding, whatever the scale of the residual stream. fold.py's check and
     bench.py's gate."""
-    ref = copy.deepcopy(a).double()
-    l64 = ref(tokens, tokens)[0]
-    la, lb = a(tokens, tokens)[0].double(), b(tokens, tokens)[0].double()
+    ref = copy.deepcopy(a).to('cpu', torch.float64)  # on the host: MPS (Apple silicon) has no float64
+    host = tokens.cpu()
+    l64 = ref(host, host)[0]
+    la, lb = a(tokens, tokens)[0].cpu().double(), b(tokens, tokens)[0].cpu().double()
     err_a, err_b = (la - l64).abs().max().item(), (lb - l64).abs().max().item()
     scale = l64.abs().max().item()
     if not err_b <= LOGIT_SLACK * err_a + LOGIT_FLOOR * scale:
@@ -220,6 +221,7 @@ def unfinished(ck):
 def main(argv):
     """Fold --ckpt into --out and print the check; returns the report as a dict."""
     cfg = configure(argv, globals(), validate=validate)
+    check_writable(os.path.dirname(os.path.abspath(cfg.out)), '--out')  # before the fold, not after it
     dev, _ = resolve_device(cfg.device, 'float32')
     set_tf32(dev, 'float32')  # the check compares with fp64: IEEE fp32 products, whatever ran before
     unfolded, ck = load_model(cfg.ckpt, dev)

@@ -8,10 +8,11 @@ matrices): each variant's paired gap to the baseline against the tokens seen. Ne
     python plot.py --runs=study/baseline-end-s1,study/internal-end-s1,study/all-end-s1 --out=docs/plots/main.png
     python plot.py --ladder=study/results.json --out=docs/plots/budget_ladder.png
     python plot.py --gap=study/results.json --out=docs/plots/gap_per_param.png
+    python plot.py --fit=study/results.json   # print the line of gap against log(tokens per parameter), per size
     python plot.py --shock=study/baseline-1M-t9M-lr0.008-s1:study/internal-1M-t9M-lr0.008-s1 --out=shock.png
 """
 
-import json
+import math
 import os
 import statistics
 import sys
@@ -22,6 +23,7 @@ from configurator import configure
 runs = ''                   # comma-separated out_dirs (each with a log.jsonl)
 ladder = ''                 # instead of --runs: a study results.json, drawn as the budget ladder (ladder_plot)
 gap = ''                    # instead of --runs: a study results.json, drawn as the gap per token per parameter (gap_plot)
+fit = ''                    # instead of --runs: a study results.json; print each size's line of 'ema' Internal-Taper's gap against log(tokens per parameter) (fit_report)
 shock = ''                  # instead of --runs: BASELINE:RUN out_dir pairs (comma-separated), drawn by shock_plot
 shock_steps = 300           # with --shock: the steps drawn after each run's calibrate event
 labels = ''                 # comma-separated legend labels (default: the folder names)
@@ -36,11 +38,11 @@ ce_span = 2.5               # the cross-entropy panel shows [lowest − 0.2, low
 def read_run(out_dir, max_iter=0):
     """(step records up to max_iter (0: all), calibrate record or None) of out_dir/log.jsonl;
     SystemExit if it has none."""
+    import runs  # torch with it: only where a log is read
     path = os.path.join(out_dir, 'log.jsonl')
     if not os.path.exists(path):
         raise SystemExit(f"{path} not found: --runs takes the out_dir of train.py runs")
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records = runs.read_log(out_dir)
     steps = [r for r in records if 'loss' in r and (not max_iter or r['iter'] <= max_iter)]
     if not steps:
         raise SystemExit(f"{path} holds no training steps yet")
@@ -70,6 +72,15 @@ def label_points(ax, labels, gap=9):
             above = at
 
 
+def point_tokens(args, size, budget):
+    """Tokens one run at the ladder point (size, budget) sees (steps × tokens a step), read from the
+    configuration of a cell of args ({name: train.py arguments}) declared there; StopIteration if
+    args declares none."""
+    import study
+    c = study.cell_config(next(a for n, a in args.items() if n.split('-')[1:3] == [size, 't' + budget]))
+    return c['max_iters'] * c['batch_size'] * c['block_size'] * c['gradient_accumulation_steps']
+
+
 def best_points(results_path):
     """The ladder matrices' finished cells of a study results.json as points: (points, args),
     points = {(size, variant): [(tokens seen, [paired % gap per seed], [final val loss per seed],
@@ -77,8 +88,7 @@ def best_points(results_path):
     best learning rate against the baseline at its own (study.ladder_best, study.paired_gap);
     unsettled: a best rate still on a running grid or at its edge. SystemExit if none."""
     import study
-    with open(results_path) as f:
-        done = json.load(f)['cells']
+    done = study.read_results(results_path)['cells']
     args = {n: a for m in study.LADDER_MATRICES for n, a in study.MATRICES[m].items()}
     cells = {n: done[n] for n in args if n in done}
     if not cells:
@@ -88,8 +98,7 @@ def best_points(results_path):
         base = by_v.get('baseline')
         if base is None:
             continue
-        c = study.cell_config(next(a for n, a in args.items() if n.split('-')[1:3] == [size, 't' + budget]))
-        tokens = c['max_iters'] * c['batch_size'] * c['block_size'] * c['gradient_accumulation_steps']
+        tokens = point_tokens(args, size, budget)
         for v, (lr, by_seed, note) in by_v.items():
             gaps = list(study.paired_gap(by_seed, base[1]).values())
             if v != 'baseline' and v not in study.LADDER_ABLATIONS and gaps:
@@ -177,26 +186,205 @@ def non_embedding_params(size):
         p.numel() for p in model.transformer.ln_f.parameters())
 
 
+# the line fit (gap_fits): the gap it follows (TaperNorm with its users' default calibration), and the
+# gaps at which it asks where the line gets to: zero, and the lower edge of the paper's Internal-Taper
+# band (study.PAPER_BAND)
+FIT_VARIANT = 'internal_ema'
+FIT_TARGETS = (0.0, 0.7)
+
+
+def line_fit(points, targets=FIT_TARGETS):
+    """The least-squares line gap = intercept + slope · ln(x) through points [(x, gap, se)]: x in
+    tokens seen per non-embedding parameter, gap in %, se that gap's standard error over seeds
+    (sd / sqrt(n); nan for one seed). Through two points it is the line through both. Returns
+    dict(points: sorted by x, slope: % per e-fold of x, intercept: % at x = 1, crossings: {target
+    %: the x at which the line reaches it, math.inf past a float's range, None where the slope is
+    0}); fit_at evaluates it. A crossing outside the points' range of x is an extrapolation.
+    ValueError for an x <= 0 or fewer than two distinct x."""
+    points = sorted(points)
+    if any(x <= 0 for x, _, _ in points) or len({x for x, _, _ in points}) < 2:
+        raise ValueError(f"line_fit: needs two or more distinct x > 0, got {[x for x, _, _ in points]}")
+    us = [math.log(x) for x, _, _ in points]
+    u_mean, y_mean = statistics.mean(us), statistics.mean(y for _, y, _ in points)
+    slope = (sum((u - u_mean) * (y - y_mean) for u, (_, y, _) in zip(us, points)) /
+             sum((u - u_mean) ** 2 for u in us))
+    intercept = y_mean - slope * u_mean
+
+    def crossing(target):
+        if slope == 0:
+            return None
+        z = (target - intercept) / slope
+        return math.exp(z) if z < 700 else math.inf  # 700: exp's float range ends near 709
+    return dict(points=points, slope=slope, intercept=intercept, crossings={t: crossing(t) for t in targets})
+
+
+def fit_at(fit, x):
+    """(gap %, se %) of line_fit's line at x tokens per parameter. The line's value is a fixed
+    weighted sum of the points' gaps, so se carries their standard errors through it: the spread the
+    seeds alone leave, valid only if the gap is a straight line in ln(x) (nan where a point has one
+    seed). ValueError for x <= 0."""
+    if x <= 0:
+        raise ValueError(f"fit_at: x must be > 0, got {x}")
+    us = [math.log(p[0]) for p in fit['points']]
+    u_mean = statistics.mean(us)
+    sxx = sum((u - u_mean) ** 2 for u in us)
+    weights = [1 / len(us) + (math.log(x) - u_mean) * (u - u_mean) / sxx for u in us]
+    return (fit['intercept'] + fit['slope'] * math.log(x),
+            math.sqrt(sum((w * p[2]) ** 2 for w, p in zip(weights, fit['points']))))
+
+
+def gap_fits(results_path, variant=FIT_VARIANT, budgets=None, targets=FIT_TARGETS):
+    """Per model size, variant's gap to the RMSNorm baseline at each budget measured (each at its best
+    learning rate, paired by seed: best_points) and the line of it against ln(tokens per
+    non-embedding parameter) (line_fit of the means, each with its standard error):
+    {size: dict(params: non-embedding parameters, points: [dict(budget, tokens, per_param, gaps:
+    per seed in %, mean, sd, low, high: the 95 % interval (study.mean_interval; nan for one seed),
+    unsettled: a best rate on a grid still running or at its edge)] in budget order, rising: each
+    budget's mean above the one before, toward_zero: each mean closer to zero than the one before,
+    overlap: [whether each budget's interval overlaps the next one's; None where either has none],
+    fit: the line (None below two budgets), full: (tokens, per_param) of one full pass of mix7 where
+    study.FULL_POINTS puts the size and the ladder matrices declare its cells, else None)}.
+    budgets: the budget names ('3M', '9M', '18M') to use, None every one measured. SystemExit as
+    best_points."""
+    import study
+    lines, args = best_points(results_path)
+    out = {}
+    for size in sorted({s for s, v in lines if v == variant}, key=lambda s: float(s[:-1])):
+        params = non_embedding_params(size)
+        declared = {}  # budget name -> tokens, for the budgets the matrices declare at this size
+        for b in study.BUDGETS:
+            try:
+                declared[b] = point_tokens(args, size, b)
+            except StopIteration:
+                pass
+        label = {t: b for b, t in declared.items()}
+        points = []
+        for tokens, gaps, _, unsettled in sorted(lines[size, variant]):
+            if budgets is not None and label[tokens] not in budgets:
+                continue
+            m, sd, lo, hi = study.mean_interval(gaps)
+            points.append(dict(budget=label[tokens], tokens=tokens, per_param=tokens / params, gaps=gaps, mean=m,
+                               sd=sd, low=lo, high=hi, unsettled=unsettled))
+        means = [p['mean'] for p in points]
+        full = next((declared[b] for s, b in study.FULL_POINTS if s == size and b in declared), None)
+        out[size] = dict(
+            params=params, points=points,
+            rising=all(b > a for a, b in zip(means, means[1:])),
+            toward_zero=all(abs(b) < abs(a) for a, b in zip(means, means[1:])),
+            overlap=[None if math.isnan(p['sd']) or math.isnan(q['sd']) else p['low'] <= q['high'] and q['low'] <= p['high']
+                     for p, q in zip(points, points[1:])],
+            fit=line_fit([(p['per_param'], p['mean'], p['sd'] / math.sqrt(len(p['gaps']))) for p in points],
+                         targets) if len(points) > 1 else None,
+            full=(full, full / params) if full else None)
+    return out
+
+
+def fit_report(results_path, variant=FIT_VARIANT, targets=FIT_TARGETS):
+    """The text `python plot.py --fit=RESULTS` prints: per model size, variant's gap at each budget
+    (study.fmt_gap), whether the budgets move monotonically toward zero, the line through them
+    (gap_fits) with the budget at which it reaches each target gap, and, at a size declared at one full
+    pass of mix7 (study.FULL_POINTS), the line through the shorter budgets there (the prediction the
+    full-pass cells test) beside the gap measured there once it is. Every value the line gives
+    outside the budgets it was fitted to is labelled an extrapolation. SystemExit as best_points."""
+    import study
+    full_budgets = {b for _, b in study.FULL_POINTS}
+    fits = gap_fits(results_path, variant, None, targets)
+    before = gap_fits(results_path, variant, [b for b in study.BUDGETS if b not in full_budgets], targets)
+    tokens = lambda n: f"{n / 1e6:.1f}M tokens"
+
+    def miss(measured, gap, se):  # the measured gap against the line's, in standard errors of both together
+        diff, both = measured['mean'] - gap, math.hypot(measured['sd'] / math.sqrt(len(measured['gaps'])), se)
+        return f"{diff:+.2f} points from the prediction" + (
+            '' if math.isnan(both) else f", {diff / both:+.1f} standard errors (the seeds' and the line's together)")
+    out = [f"{variant} against the RMSNorm baseline, each at its best rate, paired by seed: % gap, mean ± sd "
+           f"[95 % interval]. x: tokens seen per non-embedding parameter. Lines: gap = a + b·ln(x), least "
+           f"squares through the mean gaps."]
+    for size, f in fits.items():
+        out.append(f"\n{size} model ({f['params']:,} non-embedding parameters)")
+        out += [f"  {p['budget']} ({tokens(p['tokens'])}, x = {p['per_param']:.1f}): {study.fmt_gap(p['gaps'])}, "
+                f"{len(p['gaps'])} seed(s)" + (", best rate not settled" if p['unsettled'] else '') for p in f['points']]
+        if not f['fit']:
+            continue
+        out.append(f"  monotonically toward zero: {'yes' if f['rising'] and f['toward_zero'] else 'no'} "
+                   f"(each budget above the one before: {'yes' if f['rising'] else 'no'}; each closer to zero: "
+                   f"{'yes' if f['toward_zero'] else 'no'}); successive intervals overlap: "
+                   + ', '.join('no interval' if o is None else 'yes' if o else 'no' for o in f['overlap']))
+        fitted = [(f, 'line')] + ([(before[size], 'pre-stated line')] if f['full'] and before.get(size, {}).get('fit')
+                                  and len(before[size]['points']) < len(f['points']) else [])
+        for g, name in fitted:
+            fit, xs = g['fit'], [p['per_param'] for p in g['points']]
+            out.append(f"  {name} through {', '.join(p['budget'] for p in g['points'])}: a = {fit['intercept']:+.3f} %, "
+                       f"b = {fit['slope']:+.3f} % per e-fold of x ({fit['slope'] * math.log(10):+.2f} points per tenfold)")
+            for t, x in fit['crossings'].items():
+                out.append(f"    reaches {t:+.1f} % " + ('never: the line is flat' if x is None else
+                           f"at x = {x:.3g}, {tokens(x * g['params'])}" +
+                           ('' if min(xs) <= x <= max(xs) else ' (an extrapolation)')))
+            if f['full']:
+                gap, se = fit_at(fit, f['full'][1])
+                measured = next((p for p in f['points'] if p['tokens'] == f['full'][0]), None)
+                out.append(f"    at one full pass ({tokens(f['full'][0])}, x = {f['full'][1]:.1f}): {gap:+.2f} % ± {se:.2f} "
+                           f"(the seeds' standard error carried through the line)" +
+                           ('' if min(xs) <= f['full'][1] <= max(xs) else ' (an extrapolation)') +
+                           (f"; measured there: {study.fmt_gap(measured['gaps'])}, " + miss(measured, gap, se)
+                            if measured and name != 'line' else ''))
+    return '\n'.join(out)
+
+
+# the gap figure's panels: TaperNorm on an axis of its own and the norm-free baselines on another, so
+# that the baselines' intervals (Derf's [−10, +25] at (1M, 9M)) do not set the scale TaperNorm's gaps
+# of a point or two are read on
+GAP_PANELS = (('internal_ema', 'all_ema'), ('dyt', 'derf'))
+GAP_REACH = 3.0  # % points: an interval end further than this past a panel's means leaves its axis
+
+
+def fit_axis(ax, core, bars, reach=GAP_REACH):
+    """Set ax's y range (gaps in %) to hold every value of core (the means, zero, a band: what must
+    show) and each interval end within `reach` points of them, padded by 8 %; an end beyond that
+    range leaves the axis with an arrow at its edge and the end's value beside it. bars: [(x, low,
+    high, colour)], nan ends for a point with no interval."""
+    ends = [e for _, lo, hi, _ in bars for e in (lo, hi) if not math.isnan(e)]
+    lo = min([min(core)] + [e for e in ends if e >= min(core) - reach])
+    hi = max([max(core)] + [e for e in ends if e <= max(core) + reach])
+    pad = 0.08 * ((hi - lo) or 1)
+    lo, hi = lo - pad, hi + pad
+    ax.set_ylim(lo, hi)
+    for x, low, high, color in bars:
+        for end, out_of_range, edge in ((low, low < lo, 0), (high, high > hi, 1)):
+            if out_of_range:
+                ax.annotate(f'{end:+.1f} %', xy=(x, edge), xycoords=('data', 'axes fraction'), fontsize=7,
+                            xytext=(6, 22 if edge == 0 else -22), textcoords='offset points', color=color,
+                            va='center', arrowprops=dict(arrowstyle='->', color=color, lw=0.8))
+
+
 def gap_plot(plt, results_path, out, title):
-    """The gap against the budget per parameter: for 'ema' Internal- and All-Taper, DyT and Derf,
-    the final val loss at the variant's best learning rate against the RMSNorm baseline's at its
-    own, paired by seed, in %, against tokens seen per non-embedding parameter (log axis); each
-    point with its 95 % interval over seeds (study.mean_interval: t on n − 1 df), a one-seed point
-    hollow and without one; one marker per model size, one colour per variant, the paper's range
-    shaded."""
+    """The gap against the budget per parameter, in two panels (GAP_PANELS): 'ema' Internal- and
+    All-Taper above, with the paper's range shaded, and the norm-free DyT and Derf below, each
+    panel's y axis fitted to its own gaps (fit_axis: an interval reaching far past them leaves the
+    axis with an arrow and its value). Each point: the final val loss at the variant's best learning
+    rate against the RMSNorm baseline's at its own, paired by seed, in %, against tokens seen per
+    non-embedding parameter (log axis), with its 95 % interval over seeds (study.mean_interval: t on
+    n − 1 df), a one-seed point hollow and without one; one marker and line style per model size,
+    one line through each size's budgets, one colour per variant. Over 'ema' Internal-Taper's points,
+    its line per size (gap_fits: least squares in ln(tokens per parameter)), carried on to one full
+    pass of mix7 where the size is declared there (study.FULL_POINTS), with the value the line
+    through the shorter budgets gives there marked ×: an extrapolation, the prediction the
+    full-pass cells test."""
     import study
     lines, _ = best_points(results_path)
-    fig, ax = plt.subplots(figsize=(10, 5.5))
-    ax.axhspan(*PAPER_GAP, color='0.85', zorder=0, label='paper: +0.7 to +1.8 % (TinyStories)')
-    ax.axhline(0, color='0.4', lw=0.8)
+    fig, axes = plt.subplots(2, 1, figsize=(12.5, 8.5), sharex=True, gridspec_kw=dict(height_ratios=(3, 2)))
+    axes[0].axhspan(*PAPER_GAP, color='0.85', zorder=0, label='paper: +0.7 to +1.8 % (TinyStories)')
     sizes = sorted({s for s, _ in lines}, key=lambda s: float(s[:-1]))
     per_param = {size: non_embedding_params(size) for size in sizes}
+    core = {0: list(PAPER_GAP), 1: []}
+    bars = {0: [], 1: []}
+    hollow = {0: False, 1: False}
     for (size, v), points in sorted(lines.items(), key=lambda kv: (GAP_ORDER.index(kv[0][1]) if kv[0][1] in
                                                                    GAP_VARIANTS else -1, sizes.index(kv[0][0]))):
         if v not in GAP_VARIANTS:
             continue
         (marker, ls), k = size_style(size, sizes), GAP_ORDER.index(v)
-        dodge = side_by_side(k)
+        panel = next(i for i, vs in enumerate(GAP_PANELS) if v in vs)
+        ax, dodge = axes[panel], side_by_side(k)
         xs, ys = [], []
         for tokens, gaps, _, _ in sorted(points):
             m, _, lo, hi = study.mean_interval(gaps)
@@ -206,15 +394,45 @@ def gap_plot(plt, results_path, out, title):
             ax.errorbar(xs[-1:], ys[-1:], yerr=None if one else [[m - lo], [hi - m]], marker=marker, ms=7, capsize=3,
                         color=f'C{k}', mfc='white' if one else f'C{k}', ls='none',
                         label=None if len(xs) > 1 else f'{GAP_VARIANTS[v]}, {size} model')
+            core[panel].append(m)
+            bars[panel].append((xs[-1], lo, hi, f'C{k}'))
+            hollow[panel] |= one
         ax.plot(xs, ys, color=f'C{k}', ls=ls, lw=0.8, alpha=0.6)  # one size's budgets
-    if any(len(p[1]) == 1 for (_, v), points in lines.items() if v in GAP_VARIANTS for p in points):
-        ax.text(0.01, 0.01, 'hollow: one seed, no interval', transform=ax.transAxes, fontsize=8, color='0.3')
-    ax.set_xscale('log')
-    ax.set_xlabel('tokens seen per non-embedding parameter (log axis; the variants of one budget drawn slightly apart)')
-    ax.set_ylabel('final val loss vs RMSNorm baseline, paired by seed (%; bars: 95 % interval)')
-    ax.set_title(title or 'The gap against the budget per parameter (mix7, read once)', fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc='upper left', bbox_to_anchor=(1.01, 1))
+    k = GAP_ORDER.index(FIT_VARIANT)
+    full_budgets = {b for _, b in study.FULL_POINTS}
+    before = gap_fits(results_path, budgets=[b for b in study.BUDGETS if b not in full_budgets])
+    first = True
+    for size, f in gap_fits(results_path).items():
+        if not f['fit']:
+            continue
+        xs = [p['per_param'] for p in f['points']] + ([f['full'][1]] if f['full'] else [])
+        grid = [min(xs) * (max(xs) / min(xs)) ** (i / 49) for i in range(50)]
+        axes[0].plot([x * side_by_side(k) for x in grid], [fit_at(f['fit'], x)[0] for x in grid], color='0.3',
+                     ls=':', lw=1.2, label="Internal-Taper's fitted line per size\n(past its budgets: an extrapolation)"
+                     if first else None)
+        first = False
+        if f['full'] and before.get(size, {}).get('fit'):
+            gap, _ = fit_at(before[size]['fit'], f['full'][1])
+            axes[0].plot([f['full'][1] * side_by_side(k)], [gap], 'x', color='0.3', ms=8, mew=1.6,
+                         label=None if any(ln.get_marker() == 'x' for ln in axes[0].lines)
+                         else "the line through the shorter budgets\nat one full pass: the prediction")
+            axes[0].annotate(f'{gap:+.2f} % ({size})', (f['full'][1] * side_by_side(k), gap), textcoords='offset points',
+                             xytext=(6, -10), fontsize=7, color='0.3')
+            core[0].append(gap)
+    names = ("TaperNorm, the users' default calibration ('ema')", 'the norm-free baselines, on an axis of their own')
+    for i, ax in enumerate(axes):
+        ax.axhline(0, color='0.4', lw=0.8)
+        fit_axis(ax, core[i] + [0], bars[i])
+        if hollow[i]:
+            ax.text(0.01, 0.02, 'hollow: one seed, no interval', transform=ax.transAxes, fontsize=8, color='0.3')
+        ax.set_xscale('log')
+        ax.set_ylabel('final val loss vs RMSNorm baseline,\npaired by seed (%; bars: 95 % interval)', fontsize=9)
+        ax.set_title(names[i], fontsize=9)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc='upper left', bbox_to_anchor=(1.01, 1))  # outside: on no point, wherever they land
+    axes[1].set_xlabel('tokens seen per non-embedding parameter (log axis; one budget\'s variants drawn slightly apart)')
+    fig.suptitle(title or 'The gap against the budget per parameter (mix7, read once)', fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -262,9 +480,11 @@ def shock_plot(plt, pairs, labels, out, title, steps, smooth):
 
 def main(argv):
     cfg = configure(argv, globals())
-    if not cfg.runs and not cfg.ladder and not cfg.gap and not cfg.shock:
-        raise SystemExit("config error: --runs=DIR[,DIR...] (or --ladder=study/results.json, --gap=study/results.json "
-                         "or --shock=BASELINE:RUN[,...]) is required")
+    if not cfg.runs and not cfg.ladder and not cfg.gap and not cfg.fit and not cfg.shock:
+        raise SystemExit("config error: --runs=DIR[,DIR...] (or --ladder=study/results.json, --gap=study/results.json, "
+                         "--fit=study/results.json or --shock=BASELINE:RUN[,...]) is required")
+    if cfg.fit:  # text only: no matplotlib needed
+        return print(fit_report(cfg.fit))
     try:
         import matplotlib
         matplotlib.use('Agg')

@@ -47,6 +47,9 @@ def read_prompt(start):
             return f.read()
     except OSError as e:
         raise SystemExit(f"--start={start}: cannot read the prompt file ({e.strerror})")
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"--start={start}: the prompt file is not UTF-8 text (byte {e.start}: {e.reason}); "
+                         f"convert it, e.g. iconv -f ITS_ENCODING -t UTF-8 {path} > prompt.txt") from None
 
 
 def validate(cfg):

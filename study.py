@@ -12,7 +12,9 @@ skipped; one with a ckpt.pt continues with --init_from=resume; one whose loss we
 is recorded as diverged (with its iteration) and never retried. After each cell, its summary
 goes into study_dir/results.json (with the git commit, torch version, thread count, device and
 dtype it ran with, and its wall time summed over every train.py run it took), written
-atomically: a stopped study loses nothing and the same command continues it. The tables of
+atomically: a stopped study loses nothing and the same command continues it. Two drivers may
+share a study_dir: each cell runs in the one that takes its lock first (CELL_LOCK), and the other
+skips it, saying it runs elsewhere. The tables of
 docs/results.md are printed by --table from that file (--readme=docs/results.md writes them
 there; --readme=README.md fills the README's <!-- study:ladder:summary --> block). Each cell
 runs with OMP_NUM_THREADS=threads; jobs cells run at once (2 on a 2-core machine).
@@ -34,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+import runs
 from configurator import configure, defaults_of, parse_args, resolve_device, uses_tf32
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -43,7 +46,7 @@ matrix = 'main'             # a key of MATRICES
 study_dir = 'study'         # one folder per cell below it, and results.json
 jobs = 2                    # cells trained at once
 threads = 1                 # OMP_NUM_THREADS of each cell
-cpu_isa = 'avx2'            # CPU cells' kernels pinned to AVX2 (cpu_pins), so that x86-64 machines of any kind reproduce a cell; '': each follows its machine
+cpu_isa = 'avx2'            # CPU cells' kernels pinned to AVX2 (cpu_pins): every x86-64 host runs the same kernels (a cell repeats bit for bit on the same CPU model, not across vendors); '': each follows its machine
 run = True                  # train the cells that are not finished
 table = True                # print the tables of the matrix's finished cells
 only = ''                   # run and report only these cells of the matrix (comma-separated names)
@@ -361,13 +364,8 @@ def git_commit():
 def read_log(out_dir):
     """The records of out_dir/log.jsonl ([] if none); for an iteration logged twice (a resumed
     run), the later record."""
-    path = os.path.join(out_dir, 'log.jsonl')
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
     last = {}
-    for r in records:
+    for r in runs.read_log(out_dir):
         last[(r.get('event'), r['iter'], 'final_val_loss' in r)] = r
     return sorted(last.values(), key=lambda r: (r['iter'], 'final_val_loss' in r))
 
@@ -406,6 +404,21 @@ def atomic_write_json(obj, path):
     os.replace(tmp, path)
 
 
+def read_results(path):
+    """A study's results.json: {'cells': {name: record}}. SystemExit in one line, naming the file
+    and how to recover, where it is not that (a disk error, an edit, a merge's conflict markers)."""
+    try:
+        with open(path, 'rb') as f:
+            data = json.loads(f.read())
+        if not isinstance(data, dict) or not isinstance(data.get('cells'), dict):
+            raise ValueError("no {'cells': {...}} object")
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise SystemExit(f"{path} is not a study's results file ({e}): restore it (from git, or a backup), or "
+                         f"move it away and rerun study.py, which rebuilds each finished cell's record from its "
+                         f"log.jsonl (without its wall time; a diverged cell runs again)") from None
+    return data
+
+
 class Results:
     """study_dir/results.json: {'cells': {name: record}}, rewritten after every cell. Two drivers
     (two matrices at once) may share it: each write re-reads the file under an flock and
@@ -416,10 +429,7 @@ class Results:
         self.data = self.read()
 
     def read(self):
-        if not os.path.exists(self.path):
-            return {'cells': {}}
-        with open(self.path) as f:
-            return json.load(f)
+        return read_results(self.path) if os.path.exists(self.path) else {'cells': {}}
 
     def put(self, name, record):
         with self.lock, open(self.path + '.lock', 'w') as lock:
@@ -465,7 +475,9 @@ def cpu_pins(isa):
     (ONEDNN_MAX_CPU_ISA). Unpinned, each follows the machine, so the same cell rounds differently on
     an AVX2 and an AVX512 host and training amplifies it (docs/results.md, the machine effect).
     Measured: a cell rerun pinned on an AMD AVX512 host ended where the same cell unpinned on an
-    AVX2 host did (4.529511), and 0.30 % away from that host's own unpinned rerun. Off x86-64
+    AVX2 host did (4.529511), and 0.30 % away from that host's own unpinned rerun. Pinning does not
+    make CPU vendors agree: a cell pinned on an AMD EPYC, rerun pinned on an Intel Xeon, differed from
+    its first step and ended 0.09 % apart (MKL's and oneDNN's blocking follows each CPU). Off x86-64
     there is nothing to pin ({}). ValueError for an isa other than those."""
     if isa not in ('', 'avx2'):
         raise ValueError(f"cpu_isa={isa!r}: use 'avx2' (every x86-64 CPU this study runs on has it) or '' (unpinned)")
@@ -474,10 +486,32 @@ def cpu_pins(isa):
     return dict(ATEN_CPU_CAPABILITY=isa, MKL_CBWR=isa.upper(), ONEDNN_MAX_CPU_ISA=isa.upper())
 
 
+CELL_LOCK = '.driver.lock'  # in a cell's out_dir: held by the study.py driver that runs the cell
+
+
 def run_cell(name, args, out_dir, results, threads, isa=''):
     """Train one cell to its end (or its divergence) and record it, its wall time summed over every
-    train.py run it took (open_segment), its kernels pinned to isa (cpu_pins). Returns its status."""
-    records = read_log(out_dir)
+    train.py run it took (open_segment), its kernels pinned to isa (cpu_pins). Returns its status:
+    'finished', 'diverged', 'failed' or 'elsewhere': another driver holds the cell's CELL_LOCK (it
+    runs the cell now) and this one leaves the cell alone (its train.out, its wall-time account)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, CELL_LOCK), 'a') as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"{name}: skipped, it runs elsewhere (another study.py holds {lock.name})", flush=True)
+            return 'elsewhere'
+        return run_held_cell(name, args, out_dir, results, threads, isa, lock)
+
+
+def run_held_cell(name, args, out_dir, results, threads, isa, lock):
+    """run_cell's work once this driver holds the cell's lock (the open file lock: train.py inherits
+    it, so a driver killed mid-run leaves the cell held until its train.py ends too)."""
+    try:
+        records = read_log(out_dir)
+    except SystemExit as e:  # a log damaged before its last line: this cell waits for its repair, not the others
+        print(f"{name}: {e}", flush=True)
+        return 'failed'
     if any('final_val_loss' in r for r in records):
         status = 'finished'
     elif name in results.data['cells'] and results.data['cells'][name]['status'] == 'diverged':
@@ -487,13 +521,13 @@ def run_cell(name, args, out_dir, results, threads, isa=''):
         cmd = [sys.executable, os.path.join(ROOT, 'train.py'), *args, f'--out_dir={out_dir}']
         if resume:
             cmd.append('--init_from=resume')
-        os.makedirs(out_dir, exist_ok=True)
         # its progress, the run's own estimate included, is in train.out: say where
         print(f"{name}: {'resuming' if resume else 'starting'} (progress: tail -f {out_dir}/train.out)", flush=True)
         open_segment(out_dir)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), **cpu_pins(isa))
         with open(os.path.join(out_dir, 'train.out'), 'a') as out:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                  pass_fds=(lock.fileno(),))
         wall = close_segment(out_dir)
         with open(os.path.join(out_dir, 'train.out')) as f:
             tail = f.read()[-2000:]
@@ -553,8 +587,8 @@ def check_comparable(cells, args):
 
 
 def on_device(cells, device, study_dir):
-    """The cells with every one moved to `device` in float32 (study.py --device=cuda: a GPU lent for
-    a while runs a whole block, several cells at once); SystemExit if study_dir is the CPU cells'."""
+    """The cells with every one moved to `device` in float32 (study.py --device=cuda: a GPU run
+    takes a whole block, several cells at once); SystemExit if study_dir is the CPU cells'."""
     if os.path.abspath(study_dir) in (os.path.abspath('study'), os.path.join(ROOT, 'study')):
         raise SystemExit(f"device={device!r}: its cells go in their own folder, apart from the CPU cells "
                          f"of study/ (add --study_dir=study_{device.split(':')[0]})")
@@ -873,7 +907,7 @@ def ladder_summary(cells, args):
     for size, budget in best:
         if 'baseline' in best[size, budget] and float(budget[:-1]) > float(longest.get(size, '0M')[:-1]):
             longest[size] = budget
-    lines = ["| variant | calibration | model, tokens of mix7 (read once) | lr | seeds | final val loss | "
+    lines = ["| variant | calibration | model size · tokens of mix7 (read once) | lr | seeds | final val loss | "
              "vs baseline, paired: mean ± sd [95 % interval] | the paper (TinyStories) |",
              "|---|---|---|---|---|---|---|---|"]
     for label, keys in SUMMARY_VARIANTS:
@@ -887,7 +921,7 @@ def ladder_summary(cells, args):
             gap = gap_text(by_seed, best[point]['baseline'][1]) if v != 'baseline' else ''
             band = PAPER_BAND.get(label)
             how = rate_how(note, len(rates_tried(cells, v, *point))) or 'bracketed'
-            lines.append(f"| {label} | {calibration_of(v, by_seed)} | {size}, {point[1]} | "
+            lines.append(f"| {label} | {calibration_of(v, by_seed)} | {size} params · {point[1]} tokens | "
                          f"{lr:g} ({how}) | {seeds(by_seed)} | "
                          f"{fmt(mean_sd(done)) if done else 'diverged'} | {gap or '—'} | "
                          f"{f'+{band[0]:g} to +{band[1]:g} %' if band else '—'} |")
@@ -1020,6 +1054,9 @@ def main(argv):
         with ThreadPoolExecutor(max_workers=cfg.jobs) as pool:
             statuses = list(pool.map(lambda n: run_cell(n, cells[n], os.path.abspath(os.path.join(cfg.study_dir, n)),
                                                         results, cfg.threads, cfg.cpu_isa), cells))
+        if 'elsewhere' in statuses:
+            print(f"{statuses.count('elsewhere')} cell(s) skipped: another study.py runs them and records them in "
+                  f"{results.path}", flush=True)
         if 'failed' in statuses:
             raise SystemExit(f"{statuses.count('failed')} cell(s) failed; fix and rerun the same command")
     if cfg.table or cfg.readme:

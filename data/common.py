@@ -124,11 +124,31 @@ def normalize_newlines(text):
     return text
 
 
+# byte-order marks of the encodings that are not UTF-8; UTF-32 LE's starts with UTF-16 LE's, so it comes first
+WIDE_BOMS = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16", b"\xfe\xff": "UTF-16"}
+NOT_TEXT_SHARE = 0.01  # NUL or U+FFFD in more than this share of the characters: not UTF-8 text
+
+
 def read_text(path):
     """The whole of a UTF-8 text file as str, line endings normalized (normalize_newlines).
-    A stray bad byte does not abort a run: it becomes U+FFFD."""
+    A stray bad byte does not abort a run: it becomes U+FFFD. SystemExit, in one line with the
+    iconv command that converts it, for a file that starts with a UTF-16/32 byte-order mark or
+    whose characters are more than NOT_TEXT_SHARE NUL or undecodable (U+FFFD): UTF-16 without a
+    mark, Latin-1, a binary file. Read as UTF-8 it would be prepared into garbage tokens."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    wide = next((name for bom, name in WIDE_BOMS.items() if head.startswith(bom)), None)
+    convert = lambda source: f"convert it to UTF-8 first: iconv -f {source} -t UTF-8 {path} > {path}.utf8.txt"
+    if wide:
+        raise SystemExit(f"{path} starts with a {wide} byte-order mark, and prepare reads UTF-8: {convert(wide)}")
     with open(path, encoding="utf-8", errors="replace", newline="") as f:
-        return normalize_newlines(f.read())
+        text = f.read()
+    bad = text.count("\0") + text.count("\ufffd")
+    if bad > NOT_TEXT_SHARE * len(text):
+        raise SystemExit(f"{path} is not UTF-8 text: {bad:,} of its {len(text):,} characters ({bad / len(text):.0%}) "
+                         f"are NUL or undecodable bytes; {convert('UTF-16')} (or -f UTF-32, -f LATIN1: the encoding "
+                         "it was written in)")
+    return normalize_newlines(text)
 
 
 def _batches(docs, batch_chars):

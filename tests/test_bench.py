@@ -192,6 +192,33 @@ def test_bad_settings_name_the_fix(args, message):
         bench.main(args)
 
 
+@pytest.mark.parametrize('error', [
+    RuntimeError('[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can\'t allocate memory: you '
+                 'tried to allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)'),
+    torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 64.00 GiB. GPU 0 has a total capacity of 79.1 GiB'),
+])
+def test_a_batch_whose_kv_caches_do_not_fit_names_the_flag_to_lower(monkeypatch, error):
+    """The allocator's error (a stand-in: the third model's KV caches) ends bench.py in one line
+    that says what did not fit and which flag to lower; any other error is not called that."""
+    calls, real = [], bench.GPT.setup_caches
+
+    def setup_caches(self, *args):
+        calls.append(args)
+        if len(calls) == 3:
+            raise error
+        return real(self, *args)
+
+    monkeypatch.setattr(bench.GPT, 'setup_caches', setup_caches)
+    with pytest.raises(SystemExit) as e:
+        bench.main(TINY + ['--batch_size=3'])
+    assert str(e.value) == ("the 5 models and their KV caches (batch_size 3 × 16 positions each) do not fit in cpu's "
+                            "memory: lower --batch_size (or --prompt_len + --new_tokens, or --size)")
+    calls.clear()
+    error = RuntimeError('something else')
+    with pytest.raises(RuntimeError, match='something else'):
+        bench.main(TINY)
+
+
 def test_compiled_path_passes_its_gate_without_recompiling(monkeypatch, capsys):
     """The compiled code path, traced by dynamo (fullgraph) with the eager backend to stay fast."""
     import torch._dynamo
@@ -566,3 +593,52 @@ def test_with_peak_on_cuda_is_the_most_a_call_allocated_above_what_was_resident(
 
     assert benchkit.with_peak(run, 'cuda')() == ('its result', 300)
     assert benchkit.with_peak(run, 'cpu')() == ('its result', None)  # torch keeps no such statistic off CUDA
+
+
+@pytest.mark.parametrize('terminal', [False, True])
+def test_train_mode_shows_its_progress_over_the_rows_steps_on_stderr(monkeypatch, capsys, terminal):
+    """9 rows of 3 warm-up + 2 timed steps: where stderr is a terminal a tqdm bar counts the 45 steps,
+    else one short line per row's worth of them; stdout (the table, the JSON) is unchanged."""
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stderr = Terminal()
+    if terminal:
+        monkeypatch.setattr(sys, 'stderr', stderr)
+    bench.main(TRAIN + ['--compile=eager', '--trials=2'])
+    captured = capsys.readouterr()
+    if terminal:
+        bar = stderr.getvalue()
+        assert bar.startswith('\reager steps:   0%|') and '| 0/45 [' in bar and '  eager: ' not in bar
+        assert bar.endswith('\r')  # closed: leave=False clears its line for the table
+    else:
+        lines = captured.err.splitlines()
+        assert [re.fullmatch(r'  eager: (\d+)/45 steps, \d+ s', line).group(1) for line in lines] == \
+            [str(5 * k) for k in range(1, 10)]
+    assert 'steps, ' not in captured.out
+
+
+def test_a_rows_compile_s_is_never_negative(monkeypatch):
+    """compile_s is the first warm-up step's time above the median: a row that compiles nothing (the
+    control reuses the baseline's graph) and whose first step happens to be the fastest gets 0, not a
+    negative time. Step times are stand-ins: first steps of 2 s (baseline) and 1 ms (the others), then 10 ms."""
+    from types import SimpleNamespace
+
+    def step_run(row, train_model, batches, env):
+        first = 2.0 if row.variant == 'baseline' else 0.001
+        times = iter([first] + [0.010] * 10)
+        return lambda: (next(times), None)
+
+    monkeypatch.setattr(bench_train, 'step_run', step_run)
+    arch = dict(n_layer=1, n_embd=16, n_head=2, vocab_size=64, block_size=16)
+    env = SimpleNamespace(dev='cpu', device_type='cpu')
+    rows = bench_train.build_rows(arch, 1337, env)
+    results = bench_train.time_rows(rows, True, None, env, 2, 32, False)
+    compile_s = {(x['variant'], x['phase']): x['compile_s'] for x in results}
+    assert compile_s.pop(('baseline', 'baseline')) == pytest.approx(1.99)
+    assert set(compile_s.values()) == {0.0}
+    assert all(x['compile_s'] is None for x in bench_train.time_rows(rows, False, None, env, 2, 32, False))

@@ -397,6 +397,17 @@ def test_tinystories_bad_inputs_give_clear_errors(tmp_path, case, message):
     assert not (tmp_path / "o").exists()  # no pass-1 files, and no empty folder a later run would trip on
 
 
+def test_a_failed_prepare_keeps_an_empty_folder_the_user_made(tmp_path, monkeypatch):
+    """Only a folder the failed prepare created is removed: an empty data/NAME/ made beforehand (a
+    mount point, a folder with its own permissions) is the user's, and stays."""
+    monkeypatch.setattr(common, "DATA_DIR", str(tmp_path))
+    (tmp_path / "x").mkdir()
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(SystemExit, match="too short"):
+        text_prepare.main(["--name=x", f"--input={tmp_path / 'empty.txt'}"])
+    assert (tmp_path / "x").is_dir() and not list((tmp_path / "x").iterdir())
+
+
 def test_load_meta_missing_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="prepare"):
         common.load_meta(tmp_path)
@@ -673,3 +684,39 @@ def test_a_vocabulary_larger_than_the_corpus_holds_is_warned_about(tmp_path, cap
     assert f"--vocab_size={distinct + 1} fits this corpus" in out
     text_prepare.main([f"--input={f}", f"--vocab_size={distinct + 1}", f"--out_dir={tmp_path / 'b'}"])
     assert "warning" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("encoding, message", [
+    ("utf-16", "starts with a UTF-16 byte-order mark, and prepare reads UTF-8: convert it to UTF-8 first: "
+               "iconv -f UTF-16 -t UTF-8"),
+    ("utf-32", "starts with a UTF-32 byte-order mark"),
+    # no mark: each of the n ASCII characters followed by a NUL
+    ("utf-16-le", "is not UTF-8 text: {n:,} of its {twice:,} characters (50%) are NUL or undecodable bytes; "
+                  "convert it to UTF-8 first: iconv -f UTF-16 -t UTF-8"),
+])
+def test_a_utf16_or_utf32_corpus_is_refused_in_one_line_with_the_command_that_converts_it(tmp_path, monkeypatch,
+                                                                                         encoding, message):
+    """Read as UTF-8 (errors="replace"), UTF-16 text was prepared silently into garbage tokens."""
+    monkeypatch.setattr(common, "DATA_DIR", str(tmp_path))
+    text = make_corpus()
+    (tmp_path / "c.txt").write_bytes(text.encode(encoding))
+    with pytest.raises(SystemExit) as e:
+        text_prepare.main(["--name=x", f"--input={tmp_path / 'c.txt'}"])
+    assert text.isascii() and message.format(n=len(text), twice=2 * len(text)) in str(e.value)
+    assert "iconv -f UTF-" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "x").exists()
+    (tmp_path / "c.txt").write_bytes(text.encode(encoding).decode(encoding).encode("utf-8"))  # what iconv writes
+    assert common.read_text(tmp_path / "c.txt") == text
+
+
+def test_a_stray_bad_byte_is_replaced_but_a_high_share_of_them_is_not_utf8(tmp_path):
+    """One undecodable byte in 200 characters becomes U+FFFD (a long download with a bad byte still
+    prepares); one in 50 (2 %, above NOT_TEXT_SHARE) is another encoding, refused."""
+    for every, refused in ((200, False), (50, True)):
+        (tmp_path / "c.txt").write_bytes(b"".join(b"a" * (every - 1) + b"\xe9" for _ in range(20)))
+        if refused:
+            with pytest.raises(SystemExit, match=r"c.txt is not UTF-8 text: 20 of its 1,000 characters \(2%\) are "
+                                                 r"NUL or undecodable bytes; convert it"):
+                common.read_text(tmp_path / "c.txt")
+        else:
+            assert common.read_text(tmp_path / "c.txt") == ("a" * (every - 1) + "\ufffd") * 20

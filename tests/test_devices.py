@@ -3,6 +3,8 @@ check their device arguments the way torch does, and each script runs up to its 
 The CUDA branches are otherwise skipped here (tests/test_cuda.py needs a GPU); this is where an
 index-less device passed to a torch.cuda call, or TF32 left on for float32, shows on a CPU."""
 
+import copy
+import json
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -18,7 +20,7 @@ import study
 import train
 from runs import save_checkpoint, setup
 from test_bench import TINY
-from test_train import toy_args
+from test_train import read_log, toy_args
 
 
 class FirstCudaTensor(Exception):
@@ -158,8 +160,144 @@ def test_the_warmup_ema_update_is_a_few_ops_for_the_whole_model():
         model(x, x)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             model.calibration_step()
-        no_kernel = ('aten::view', 'aten::view_as', 'aten::split_with_sizes', 'aten::item')  # metadata, host
+        no_kernel = ('aten::view', 'aten::view_as', 'aten::split_with_sizes', 'aten::select', 'aten::slice',
+                     'aten::item')  # views (metadata) and the CPU's host check
         return [e.name for e in prof.events() if e.name.startswith('aten::') and e.cpu_parent is None
                 and e.name not in no_kernel]
 
     assert ops(1) == ops(8) and len(ops(8)) <= 6, ops(8)
+
+
+# ---- MPS (Apple silicon), which has no float64, on a CPU ------------------------------------------
+
+MPS_NO_FLOAT64 = "Cannot convert a MPS Tensor to float64 dtype as the MPS framework doesn't support float64"
+
+
+class OnMPS(torch.Tensor):
+    """A tensor on the stand-in MPS device: it computes on the CPU, its .device says 'mps', and every
+    operation whose result is a float64 OnMPS raises MPS's TypeError (its creation, .double(),
+    .to(torch.float64), a float64 model's forward). Results of operations on it are OnMPS
+    (torch.Tensor's subclass rule)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        refuse_float64(out)
+        return out
+
+    @property
+    def device(self):  # so that device=t.device makes a tensor on MPS, as it would there
+        return torch.device('mps')
+
+    def __deepcopy__(self, memo):  # torch's own asks new_empty for the subclass, which it cannot give here
+        with torch.no_grad():
+            new = self.as_subclass(torch.Tensor).clone().as_subclass(OnMPS)
+        new.requires_grad_(self.requires_grad)
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))  # _is_param: a module's parameter
+        memo[id(self)] = new
+        return new
+
+    def __reduce_ex__(self, protocol):  # saved as a plain tensor, as torch.save saves a device's
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+
+def refuse_float64(out):
+    if any(isinstance(t, OnMPS) and t.dtype == torch.float64 for t in torch.utils._pytree.tree_flatten(out)[0]):
+        raise TypeError(MPS_NO_FLOAT64)
+
+
+def is_mps(device):
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == 'mps'
+
+
+class MPSStandIn(torch.overrides.TorchFunctionMode):
+    """Tensors made on 'mps' (device=...) or moved there (.to) become OnMPS; moved to 'cpu' (.to,
+    .cpu()), plain copies."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if 'device' in kwargs:
+            to = kwargs['device']
+        elif func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], (str, torch.device, torch.Tensor)):
+            to = args[1].device if isinstance(args[1], torch.Tensor) else args[1]  # .to(device) or .to(other)
+        else:
+            to = 'cpu' if func is torch.Tensor.cpu else None
+        if to is None:
+            return func(*args, **kwargs)
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        plain = lambda a: a.as_subclass(torch.Tensor) if isinstance(a, OnMPS) else 'cpu' if is_mps(a) else a
+        out = func(*map(plain, args), **{k: plain(v) for k, v in kwargs.items()})
+        if src is not None and isinstance(out, torch.Tensor) and out.data_ptr() == src.data_ptr() \
+                and is_mps(to) != isinstance(src, OnMPS):
+            out = out.clone()  # a move between devices copies
+        if is_mps(to):
+            out = out.as_subclass(OnMPS)
+            refuse_float64(out)
+        return out
+
+
+@pytest.fixture
+def stand_in_mps(monkeypatch):
+    """An Apple-silicon machine without CUDA: torch.backends.mps.is_available() is True, 'mps' is the
+    MPSStandIn device, torch.mps.synchronize() does nothing (the stand-in queues no work). A module
+    moved there swaps its parameters for OnMPS ones (torch.__future__'s swap), as a GPU's would be."""
+    monkeypatch.setattr(torch.backends.mps, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.mps, 'synchronize', lambda: None)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with MPSStandIn():
+            yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
+def test_the_mps_stand_in_refuses_float64_made_on_it_and_allows_it_on_the_cpu(stand_in_mps):
+    """What the tests below rely on: each way of making a float64 tensor on MPS raises MPS's TypeError,
+    a copy on the CPU is float64 as usual, and a model moved to 'mps' computes there."""
+    from model import GPT, GPTConfig
+    x = torch.arange(6.0).to('mps')
+    assert x.device.type == 'mps' and isinstance(torch.ones(2, device=x.device), OnMPS)
+    for make in (lambda: torch.zeros(2, device='mps', dtype=torch.float64), lambda: x.double(),
+                 lambda: torch.zeros(2, device=x.device, dtype=torch.float64),
+                 lambda: x.to(torch.float64), lambda: x.sum() * torch.ones((), dtype=torch.float64, device='mps'),
+                 lambda: x.new_zeros(2, dtype=torch.float64)):
+        with pytest.raises(TypeError, match='MPS'):
+            make()
+    assert type(x.cpu().double()) is torch.Tensor and x.cpu().double().sum().item() == 15.0
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=64, block_size=8)).to('mps')
+    assert all(isinstance(p, OnMPS) for p in model.parameters())
+    assert model.lm_head.weight is model.transformer.wte.weight  # the tie survives the move
+    with pytest.raises(TypeError, match='MPS'):
+        copy.deepcopy(model).double()
+    on_cpu = list(copy.deepcopy(model).to('cpu', torch.float64).parameters())
+    assert all(not isinstance(p, OnMPS) and p.dtype == torch.float64 for p in on_cpu)
+
+
+def test_a_run_on_mps_trains_to_its_end_and_its_final_losses_match_the_cpus(stand_in_mps, toy_data, tmp_path):
+    """runs.mean_ce summed the final losses in float64 on the run's device: a run on a Mac trained to its
+    last step, then raised MPS's TypeError (and again on every resume). The stand-in computes on the CPU,
+    so the same run on the CPU gives the same losses."""
+    model = train.main(toy_args(toy_data, tmp_path / 'mps', device='mps'))
+    assert all(isinstance(p, OnMPS) for p in model.parameters())  # it trained on the stand-in
+    train.main(toy_args(toy_data, tmp_path / 'cpu', device='cpu'))
+    (on_mps,), (on_cpu,) = ([r for r in read_log(tmp_path / run) if 'final_val_loss' in r] for run in ('mps', 'cpu'))
+    for key in ('final_val_loss', 'final_train_loss'):
+        assert on_mps[key] == pytest.approx(on_cpu[key], rel=1e-6), key
+
+
+def test_fold_and_bench_on_mps_check_against_an_fp64_copy_on_the_cpu(stand_in_mps, tmp_path, capsys):
+    """fold.max_logit_error, fold.py's check and bench.py's gate, made its fp64 reference with
+    .double() on the device: MPS's TypeError. Both now run on MPS and report what they report on the CPU."""
+    model = bench.linear_phase_model(dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16), 'all', 0)
+    ckpt = tmp_path / 'linear.pt'
+    save_checkpoint({'model': model.state_dict(), 'model_args': vars(model.config)}, str(ckpt))
+    folded = {dev: fold.main([f'--ckpt={ckpt}', f'--out={tmp_path / dev}.pt', f'--device={dev}'])
+              for dev in ('mps', 'cpu')}
+    assert folded['mps'] == folded['cpu']
+    gates = {}
+    for dev in ('mps', 'cpu'):
+        capsys.readouterr()
+        bench.main(TINY[:-1] + [f'--device={dev}'])
+        gates[dev] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])['gate']
+    assert gates['mps'] == gates['cpu'] and len(gates['cpu']) == 2

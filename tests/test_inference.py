@@ -2,6 +2,8 @@
 
 import ast
 import copy
+import errno
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import train
 from model import (GPT, GPTConfig, TaperNorm, TaperScale, decode_n_tokens, decode_one_token, prefill, sample_next,
                    unfused)
 from runs import load_model, save_checkpoint
+from test_runs import read_only  # noqa: F401 (a fixture)
 
 KINDS = ['rmsnorm', 'layernorm']
 TAPERS = ['internal', 'all']
@@ -447,6 +450,33 @@ def test_sample_errors_name_the_fix(trained, tmp_path):
                      'meta': {'vocab_size': 96, 'tokenizer': 'toy'}}, toy)
     with pytest.raises(SystemExit, match='no tokenizer table'):
         sample.main([f'--ckpt={toy}'])
+
+
+def test_a_prompt_file_that_is_not_utf8_is_one_line_naming_the_conversion(tmp_path):
+    prompt = tmp_path / 'prompt.txt'
+    prompt.write_bytes('Once upon a time, Zoë and Ann'.encode('latin-1'))
+    with pytest.raises(SystemExit) as e:
+        sample.read_prompt(f'FILE:{prompt}')
+    assert str(e.value) == (f"--start=FILE:{prompt}: the prompt file is not UTF-8 text (byte 20: invalid "
+                            f"continuation byte); convert it, e.g. iconv -f ITS_ENCODING -t UTF-8 {prompt} > prompt.txt")
+    prompt.write_text('Once upon a time, Zoë', encoding='utf-8')
+    assert sample.read_prompt(f'FILE:{prompt}') == 'Once upon a time, Zoë'
+
+
+def test_fold_refuses_an_out_folder_it_cannot_write_before_folding(tmp_path, monkeypatch, read_only):
+    model = linear_phase()
+    ckpt = tmp_path / 'ckpt.pt'
+    save_checkpoint({'model': model.state_dict(), 'model_args': vars(model.config)}, str(ckpt))
+    folds, real_fold = [], fold.fold_state_dict
+    monkeypatch.setattr(fold, 'fold_state_dict', lambda *a: folds.append(a) or real_fold(*a))
+    folder = tmp_path / 'ro'
+    folder.mkdir()
+    read_only(folder)
+    with pytest.raises(SystemExit) as e:
+        fold.main([f'--ckpt={ckpt}', f'--out={folder / "folded.pt"}'])
+    assert str(e.value) in (f"cannot write in {folder} ({os.strerror(n)}): choose another --out"
+                            for n in (errno.EROFS, errno.EACCES))  # the stand-in's, or chmod's
+    assert folds == [] and os.listdir(folder) == []  # refused before the fold was computed
 
 
 def test_sample_refuses_a_prompt_that_fills_the_context_and_bad_devices(trained, tmp_path):

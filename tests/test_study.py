@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -131,9 +132,115 @@ def test_two_drivers_sharing_a_results_file_keep_each_others_cells(tmp_path):
                                               'c-s1': {'status': 'finished'}}
 
 
+def fake_train(monkeypatch, hold=lambda out_dir: None):
+    """study.py's train.py runs replaced by a stand-in: a line in the cell's train.out, then hold(out_dir)
+    (a test's way to keep a run going), then a finished log. Returns the cells run, in order (each
+    named '... without its lock' where the run did not inherit the cell's lock)."""
+    ran, real = [], study.subprocess.run
+
+    def run(cmd, stdout=None, **kw):
+        if not cmd[1].endswith('train.py'):  # git rev-parse
+            return real(cmd, stdout=stdout, **kw)
+        out_dir = Path(next(a for a in cmd if a.startswith('--out_dir=')).split('=', 1)[1])
+        # train.py inherits the cell's lock: a driver killed mid-run leaves the cell held until train.py ends
+        inherits = [os.fstat(fd).st_ino for fd in kw.get('pass_fds', ())] == [(out_dir / study.CELL_LOCK).stat().st_ino]
+        ran.append(out_dir.name if inherits else f'{out_dir.name} without its lock')
+        stdout.write(f"stand-in train.py run {len(ran)}{' --init_from=resume' * ('--init_from=resume' in cmd)}\n")
+        stdout.flush()
+        hold(out_dir)
+        (out_dir / 'log.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in FINISHED_LOG))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(study.subprocess, 'run', run)
+    return ran
+
+
+def test_a_cells_log_cut_short_resumes_a_damaged_one_fails_only_its_cell_and_a_bad_results_file_is_one_line(
+        tiny_matrix, tmp_path, monkeypatch, capfd):
+    """A full disk or a power loss mid-append tears a cell's last log line: the cell is read
+    without it and resumes; a cell whose log is damaged elsewhere fails alone, naming the file
+    and line, while the others run; a results.json that is not one stops study.py in one line
+    that says how to recover."""
+    import plot
+    ran = fake_train(monkeypatch)
+    out = tmp_path / 'study'
+    torn, damaged = out / 'baseline-end-s1', out / 'all-end-s1'
+    for cell in (torn, damaged):
+        cell.mkdir(parents=True)
+        (cell / 'ckpt.pt').write_bytes(b'')  # a run stopped before its end
+    lines = [json.dumps(r) + '\n' for r in FINISHED_LOG]
+    (torn / 'log.jsonl').write_text(''.join(lines[:-1]) + lines[-1][:20])  # its final record cut mid-write
+    (damaged / 'log.jsonl').write_text(lines[0] + lines[1][:20] + '\n' + lines[1])
+    steps, _ = plot.read_run(torn)
+    assert [r['iter'] for r in steps] == [0, 1] and study.read_log(torn) == FINISHED_LOG[:-1]
+    with pytest.raises(SystemExit, match=r'^1 cell\(s\) failed; fix and rerun the same command$'):
+        study.main(['--matrix=tiny', f'--study_dir={out}', '--table=False', '--jobs=1'])
+    said = capfd.readouterr()
+    assert said.err.count(f"{torn / 'log.jsonl'}: its last line (3) is cut short") == 1  # once, however often read
+    assert f"all-end-s1: {damaged / 'log.jsonl'}, line 2: not a log record (" in said.out
+    assert ran == ['baseline-end-s1'] and 'resuming' in said.out  # the torn cell resumed; the damaged one waits
+    record = json.loads((out / 'results.json').read_text())['cells']['baseline-end-s1']
+    assert record['status'] == 'finished' and record['final_val_loss'] == FINISHED_LOG[-1]['final_val_loss']
+
+    (out / 'results.json').write_text('{"cells": {"baseline-end-s1": {"status": "fin')
+    with pytest.raises(SystemExit) as e:
+        study.main(['--matrix=tiny', f'--study_dir={out}', '--run=False'])
+    assert str(e.value).startswith(f"{out / 'results.json'} is not a study's results file (Unterminated string")
+    assert str(e.value).endswith("restore it (from git, or a backup), or move it away and rerun study.py, which "
+                                 "rebuilds each finished cell's record from its log.jsonl (without its wall time; a "
+                                 "diverged cell runs again)")
+    (out / 'results.json').write_text('[]')
+    with pytest.raises(SystemExit, match="is not a study's results file"):
+        study.main(['--matrix=tiny', f'--study_dir={out}', '--run=False'])
+    with pytest.raises(SystemExit, match="is not a study's results file"):  # plot's reader is study's
+        plot.best_points(out / 'results.json')
+
+
+def test_a_second_driver_skips_the_cell_the_first_runs_and_leaves_its_account_and_output(tiny_matrix, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """Two study.py drivers on one study_dir: while the first runs a cell, the second skips it,
+    saying it runs elsewhere, and runs the others; it neither opens a wall-time segment in the
+    cell's segments.json nor writes to its train.out, and it exits 0."""
+    out = tmp_path / 'study'
+    started, release = threading.Event(), threading.Event()
+
+    def hold(out_dir):
+        if out_dir.name == 'all-end-s1' and not started.is_set():
+            started.set()
+            assert release.wait(120)
+
+    ran = fake_train(monkeypatch, hold)
+    first = threading.Thread(target=study.main, args=(['--matrix=tiny', '--only=all-end-s1', f'--study_dir={out}',
+                                                       '--table=False'],))
+    first.start()
+    try:
+        assert started.wait(120)
+        cell = out / 'all-end-s1'
+        account, output = (cell / 'segments.json').read_text(), (cell / 'train.out').read_text()
+        data = study.main(['--matrix=tiny', f'--study_dir={out}', '--table=False', '--jobs=2'])  # returns: exit 0
+        assert (cell / 'segments.json').read_text() == account and (cell / 'train.out').read_text() == output
+        assert ran == ['all-end-s1', 'baseline-end-s1'] and set(data['cells']) == {'baseline-end-s1'}
+        said = capsys.readouterr().out
+        assert f"all-end-s1: skipped, it runs elsewhere (another study.py holds {cell / study.CELL_LOCK})" in said
+        assert f"1 cell(s) skipped: another study.py runs them and records them in {out / 'results.json'}" in said
+    finally:
+        release.set()
+        first.join(120)
+    c = json.loads((out / 'results.json').read_text())['cells']
+    assert c['all-end-s1']['segments'] == 1 and c['all-end-s1']['final_val_loss'] == FINISHED_LOG[-1]['final_val_loss']
+    assert set(c) == {'all-end-s1', 'baseline-end-s1'}
+    study.main(['--matrix=tiny', f'--study_dir={out}', '--table=False'])  # once it has ended, the cell is free
+    assert ran == ['all-end-s1', 'baseline-end-s1'] and 'skipped' not in capsys.readouterr().out
+
+
 def step(it, loss, phase='warmup'):
     return {'iter': it, 'loss': loss, 'phase': phase, 'hidden_rms': 1.0, 'logit_rms': 2.0, 'radial_cos': -0.01,
             'step_ms': 5.0}
+
+
+# a finished run's log as the stand-in train.py writes it (fake_train)
+FINISHED_LOG = [step(0, 9.0), step(1, 8.0), {'iter': 2, 'phase': 'warmup', 'final_val_loss': 7.5,
+                                             'final_train_loss': 7.4}]
 
 
 def test_the_summary_finds_the_tapers_spike_after_the_calibration():
@@ -494,18 +601,18 @@ def summary_cells():
 def test_the_summary_table_gives_each_method_at_the_longest_budget_with_its_interval():
     cells = summary_cells()
     rows = study.ladder_summary(cells, {n: [] for n in cells}).splitlines()
-    assert rows[0].startswith('| variant | calibration | model, tokens of mix7 (read once) | lr | seeds |')
+    assert rows[0].startswith('| variant | calibration | model size · tokens of mix7 (read once) | lr | seeds |')
     # per-seed gaps of the EMA cells: 4.04/4.0, 4.182/4.1, 4.326/4.2 − 1 = +1, +2, +3 %: 2 ± 4.303/sqrt(3)
     assert rows[2:] == [
-        '| baseline (RMSNorm) | — | 1M, 9M | 0.008 (bracketed) | s1–3 | 4.1000 ± 0.1000 | — | — |',
-        '| baseline (RMSNorm) | — | 0.4M, 18M | 0.016 (only rate run) | s1 | 4.4000 | — | — |',
-        '| Internal-Taper | ema | 1M, 9M | 0.008 (only rate run) | s1–3 | 4.1827 ± 0.1430 | '
+        '| baseline (RMSNorm) | — | 1M params · 9M tokens | 0.008 (bracketed) | s1–3 | 4.1000 ± 0.1000 | — | — |',
+        '| baseline (RMSNorm) | — | 0.4M params · 18M tokens | 0.016 (only rate run) | s1 | 4.4000 | — | — |',
+        '| Internal-Taper | ema | 1M params · 9M tokens | 0.008 (only rate run) | s1–3 | 4.1827 ± 0.1430 | '
         '+2.00 ± 1.00 % [-0.48, +4.48] | +0.7 to +1.5 % |',
-        '| Internal-Taper | end | 1M, 9M | 0.008 (bracketed) | s1 | 4.0100 | +0.25 % (one seed: no interval) | '
+        '| Internal-Taper | end | 1M params · 9M tokens | 0.008 (bracketed) | s1 | 4.0100 | +0.25 % (one seed: no interval) | '
         '+0.7 to +1.5 % |',  # both calibrations of Internal-Taper where both ran: 4.01 / 4.0 − 1
-        '| Internal-Taper | end | 0.4M, 18M | 0.016 (only rate run) | s1 | 4.3780 | -0.50 % (one seed: no interval) | '
+        '| Internal-Taper | end | 0.4M params · 18M tokens | 0.016 (only rate run) | s1 | 4.3780 | -0.50 % (one seed: no interval) | '
         '+0.7 to +1.5 % |',  # 4.378 / 4.4 − 1
-        '| All-Taper | ema | 0.4M, 18M | 0.016 (only rate run) | s1 | 4.3560 | -1.00 % (one seed: no interval) | '
+        '| All-Taper | ema | 0.4M params · 18M tokens | 0.016 (only rate run) | s1 | 4.3560 | -1.00 % (one seed: no interval) | '
         '+0.8 to +1.8 % |']  # 'ema' before 'end': 4.356 / 4.4 − 1; no DyT cells: no row
 
 
@@ -520,7 +627,7 @@ def test_the_readme_summary_regenerates_from_the_results_file(tmp_path):
     text = readme.read_text()
     assert text.startswith('# x\n<!-- study:ladder:summary -->\n| variant | calibration |') and text.endswith('rest\n')
     # the ladder plans 'ema' at three rates per point (study.ema_grid): with one run, its best is '(so far)'
-    assert '| Internal-Taper | ema | 1M, 9M | 0.008 (so far) | s1–3 |' in text and 'old' not in text
+    assert '| Internal-Taper | ema | 1M params · 9M tokens | 0.008 (so far) | s1–3 |' in text and 'old' not in text
     assert '**1M model**' not in text  # the full tables go only where their own block is
     cells['internal_ema-1M-t9M-lr0.008-s3']['final_val_loss'] = 4.284  # the results change: so does the table
     (out / 'results.json').write_text(json.dumps({'cells': cells}))
@@ -532,7 +639,7 @@ def test_the_readme_summary_regenerates_from_the_results_file(tmp_path):
                     '<!-- /study:ladder -->\n')
     study.main(['--matrix=ladder', f'--study_dir={out}', '--run=False', f'--readme={docs}'])
     summary, full = docs.read_text().split('notes\n')
-    assert '| Internal-Taper | ema | 1M, 9M |' in summary and '**1M model**' not in summary
+    assert '| Internal-Taper | ema | 1M params · 9M tokens |' in summary and '**1M model**' not in summary
     assert '**1M model**' in full and '| 1M | 9M | internal_ema | ema | 0.008: 4.0400 |' in full
     readme.write_text('no markers\n')
     with pytest.raises(SystemExit, match='no <!-- study:ladder --> ... <!-- /study:ladder --> or'):
@@ -798,9 +905,10 @@ def test_the_gap_plot_draws_each_gap_with_its_95_interval_against_tokens_per_non
              'baseline-0.4M-t3M-lr0.008-s1': cell(5.0), 'dyt-0.4M-t3M-lr0.008-s1': cell(5.1)}
     (tmp_path / 'results.json').write_text(json.dumps({'cells': cells}))
     plot.main([f'--gap={tmp_path / "results.json"}', f'--out={tmp_path / "g.png"}'])
-    ax = plt.gcf().axes[0]
+    ax, ax_free = plt.gcf().axes  # TaperNorm above, the norm-free baselines on an axis of their own
     handles, labels = ax.get_legend_handles_labels()
-    assert labels[1:] == ['Internal-Taper, ema, 1M model', 'DyT, 0.4M model']  # as README's table names them
+    free_handles, free_labels = ax_free.get_legend_handles_labels()
+    assert labels[1:] == ['Internal-Taper, ema, 1M model'] and free_labels == ['DyT, 0.4M model']  # README's names
     # non-embedding parameters by hand: per block 12 d² (attention 4 d², MLP 8 d²) + 9 d (the linear layers'
     # biases) + 2 d (ln_1, ln_2's γ), eight blocks, and ln_f's γ
     per_param = {d: 8 * (12 * d * d + 11 * d) + d for d in (32, 64)}
@@ -813,12 +921,84 @@ def test_the_gap_plot_draws_each_gap_with_its_95_interval_against_tokens_per_non
     assert y == pytest.approx(gaps.mean())
     (lo, hi), = [seg[:, 1] for seg in ema.lines[2][0].get_segments()]
     assert (hi - lo) / 2 == pytest.approx(12.7062047 * gaps.std(ddof=1) / np.sqrt(2), rel=1e-6)  # t(0.975, 1 df)
-    dyt = handles[2]
+    dyt = free_handles[0]
     assert dyt.lines[0].get_xdata()[0] / plot.side_by_side(plot.GAP_ORDER.index('dyt')) == \
         pytest.approx(tokens / per_param[32])
     assert not dyt.lines[2] and dyt.lines[0].get_markerfacecolor() == 'white'  # one seed: hollow, no interval
-    assert any('one seed' in t.get_text() for t in ax.texts) and ax.get_xscale() == 'log'
+    assert any('one seed' in t.get_text() for t in ax_free.texts) and ax.get_xscale() == 'log'
+    # the interval (−8.3, +5.2 %: t on 1 df) reaches over 3 points past the means, zero and the band: the axis
+    # holds those, and each end leaves it with an arrow and its value
+    assert ax.get_ylim()[0] > -8 and ax.get_ylim()[1] < 3
+    assert sorted(t.get_text() for t in ax.texts if t.arrow_patch) == sorted(f'{e:+.1f} %' for e in (lo, hi))
     plt.close('all')
+
+
+def test_the_line_fit_of_the_gap_against_log_tokens_per_parameter_crosses_where_worked_by_hand():
+    import plot
+    # two points, given out of order: gap = −3 + log10(x), so 0 % at x = 1000 and +0.7 % at 10^3.7
+    fit = plot.line_fit([(100, -1.0, 0.2), (10, -2.0, 0.1)])
+    assert fit['slope'] == pytest.approx(1 / math.log(10)) and fit['intercept'] == pytest.approx(-3)
+    assert fit['crossings'] == {0.0: pytest.approx(1000), 0.7: pytest.approx(10 ** 3.7)}
+    # at x = 1000 the line is −1 × the first gap + 2 × the second: se = sqrt(0.1² + (2 · 0.2)²)
+    assert plot.fit_at(fit, 1000) == (pytest.approx(0), pytest.approx(math.sqrt(0.17)))
+    assert plot.fit_at(fit, 10) == (pytest.approx(-2), pytest.approx(0.1))  # at a point: that point
+    # three points at ln x = 0, 1, 2 with gaps 0, 1, 5: least squares, slope 2.5 (Sxy 5 / Sxx 2), intercept
+    # 2 − 2.5 = −0.5: 0 % at ln x = 0.2, +0.7 % at 0.48; a one-seed point (se nan) leaves no se
+    fit = plot.line_fit([(1, 0.0, 0.1), (math.e, 1.0, float('nan')), (math.e ** 2, 5.0, 0.1)])
+    assert (fit['slope'], fit['intercept']) == (pytest.approx(2.5), pytest.approx(-0.5))
+    assert fit['crossings'] == {0.0: pytest.approx(math.exp(0.2)), 0.7: pytest.approx(math.exp(0.48))}
+    assert math.isnan(plot.fit_at(fit, 1)[1])
+    # a flat line never gets there; one past a float's range gets there at infinity
+    assert plot.line_fit([(1, -1.0, 0.1), (2, -1.0, 0.1)])['crossings'] == {0.0: None, 0.7: None}
+    assert plot.line_fit([(1, -1.0, 0.1), (math.e, -1 + 1e-6, 0.1)], (0.0,))['crossings'] == {0.0: math.inf}
+    for bad in ([(10, -1.0, 0.1)], [(10, -1.0, 0.1), (10, -2.0, 0.1)], [(0, -1.0, 0.1), (10, -2.0, 0.1)]):
+        with pytest.raises(ValueError, match='two or more distinct x > 0'):
+            plot.line_fit(bad)
+    with pytest.raises(ValueError, match='x must be > 0'):
+        plot.fit_at(plot.line_fit([(1, 0.0, 0.1), (2, 1.0, 0.1)]), 0)
+
+
+def test_gap_fits_reads_each_sizes_gaps_from_the_results_and_predicts_the_full_pass(tmp_path, monkeypatch, capsys):
+    import plot
+    monkeypatch.setitem(study.MATRICES, 'ladder', {  # 18M declared, not run: the full pass the line predicts
+        n: a for b in ('3M', '9M', '18M') for n, a in study.ladder_cells(('baseline', 'internal_ema'), '1M', b, (8e-3,),
+                                                                        (1, 2)).items()})
+    cell = lambda loss: {'status': 'finished', 'final_val_loss': loss}
+    cells = {**{f'baseline-1M-t{b}-lr0.008-s{s}': cell(4.0) for b in ('3M', '9M') for s in (1, 2)},
+             'internal_ema-1M-t3M-lr0.008-s1': cell(3.92), 'internal_ema-1M-t3M-lr0.008-s2': cell(3.96),  # −2, −1 %
+             'internal_ema-1M-t9M-lr0.008-s1': cell(3.98), 'internal_ema-1M-t9M-lr0.008-s2': cell(3.99)}  # −0.5, −0.25 %
+    (tmp_path / 'results.json').write_text(json.dumps({'cells': cells}))
+    f = plot.gap_fits(tmp_path / 'results.json')['1M']
+    params, step = 8 * (12 * 64 * 64 + 11 * 64) + 64, 16 * 128  # non-embedding parameters; tokens a step
+    assert f['params'] == params and [p['budget'] for p in f['points']] == ['3M', '9M']
+    assert [p['per_param'] for p in f['points']] == [pytest.approx(n * step / params) for n in (1500, 4500)]
+    assert [p['mean'] for p in f['points']] == [pytest.approx(-1.5), pytest.approx(-0.375)]
+    assert f['points'][0]['high'] == pytest.approx(-1.5 + 12.7062047 * 0.5, rel=1e-6)  # t(0.975, 1 df) · sd / √2
+    assert (f['rising'], f['toward_zero'], f['overlap']) == (True, True, [True])
+    # slope 1.125 / ln 3 per e-fold: zero 0.375 / slope = ln 3 / 3 e-folds past 9M tokens, at 3^(1/3) × its x
+    slope = 1.125 / math.log(3)
+    assert f['fit']['slope'] == pytest.approx(slope)
+    assert f['fit']['crossings'][0.0] == pytest.approx(4500 * step / params * 3 ** (1 / 3))
+    assert f['full'] == (9000 * step, pytest.approx(9000 * step / params))
+    assert plot.fit_at(f['fit'], f['full'][1])[0] == pytest.approx(-0.375 + slope * math.log(2))  # twice 9M's tokens
+    assert plot.gap_fits(tmp_path / 'results.json', budgets=['3M'])['1M']['fit'] is None  # one budget: no line
+    plot.main([f'--fit={tmp_path / "results.json"}'])
+    out = capsys.readouterr().out
+    assert '1M model (398,912 non-embedding parameters)' in out and 'monotonically toward zero: yes' in out
+    assert f"at one full pass (18.4M tokens, x = 46.2): {-0.375 + slope * math.log(2):+.2f} %" in out
+    assert 'reaches +0.0 % at x = 33.3, 13.3M tokens (an extrapolation)' in out
+    # the full pass lands (0 and −0.1 %): the line through 3M and 9M stays the prediction it is checked against
+    cells.update({f'baseline-1M-t18M-lr0.008-s{s}': cell(4.0) for s in (1, 2)})
+    cells.update({'internal_ema-1M-t18M-lr0.008-s1': cell(4.0), 'internal_ema-1M-t18M-lr0.008-s2': cell(3.996)})
+    (tmp_path / 'results.json').write_text(json.dumps({'cells': cells}))
+    f = plot.gap_fits(tmp_path / 'results.json')['1M']
+    assert [p['budget'] for p in f['points']] == ['3M', '9M', '18M'] and f['fit']['slope'] != pytest.approx(slope)
+    plot.main([f'--fit={tmp_path / "results.json"}'])
+    out = capsys.readouterr().out
+    predicted = -0.375 + slope * math.log(2)
+    assert '  line through 3M, 9M, 18M: ' in out and '  pre-stated line through 3M, 9M: ' in out
+    assert f"{predicted:+.2f} % ± " in out and f"measured there: {study.fmt_gap([0.0, -0.1])}, " in out
+    assert f"{-0.05 - predicted:+.2f} points from the prediction, " in out
 
 
 def test_part_5s_derf_cells_run_on_dyts_grid_moved_up_where_its_edge_won_and_seeds_2_3_at_a_declared_best():
