@@ -1,4 +1,4 @@
-"""Derf on the quick start (issue 46): train.py's own run, in process, with probes at a few steps:
+"""Derf on the quick start (its section in docs/results.md): train.py's own run, in process, with probes at a few steps:
 tensors whose gradient is exactly zero (an optimizer step pre-hook, before the step zeroes them), and
 the share of Derf entries with |α·h + s| > 3 (forward hooks). A probe kept as evidence, not part of the product.
 It made the log.jsonl and output.txt beside it (2026-12-04, the code of that day):
