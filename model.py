@@ -463,12 +463,12 @@ class GPT(nn.Module):
             self.register_load_state_dict_post_hook(lambda module, keys: sync_fakeln(module))
         self.last_metrics = None
         self.collect = None  # see set_collect
-        self._calibration = None  # calibration_buffers()' lists, built on first use, dropped by _apply
+        self._calibration = None  # calibration_buffers' lists, built on first use, dropped by _apply
         self.register_buffer('radial_sink', torch.zeros((), requires_grad=True), persistent=False)
         self.register_buffer('causal_mask', None, persistent=False)  # (T_max, T_max) additive, by setup_caches
         self.set_phase('baseline' if config.taper == 'none' else 'warmup')
 
-        self.apply(self._init_weights)
+        self.apply(init_weights)
         for name, p in self.named_parameters():
             if name.endswith('c_proj.weight'):  # GPT-2: scale residual projections by 1/sqrt(2L)
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
@@ -480,15 +480,8 @@ class GPT(nn.Module):
         self.radial_sink = self.radial_sink.detach().requires_grad_()
         return self
 
-    def _init_weights(self, module):  # GPT-2's: weights N(0, 0.02²), biases 0
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            torch.nn.init.zeros_(module.bias)
-
     def num_params(self):
-        """Parameters, each shared tensor once (the tied embedding and head count once), with γ̃
-        and β̃ excluded (they replace γ, β at inference)."""
+        """Parameters, a shared tensor once (the tied embedding and head), γ̃ and β̃ left out (they replace γ, β)."""
         return sum(p.numel() for n, p in self.named_parameters() if '_tilde' not in n)
 
     def tapernorms(self):
@@ -525,9 +518,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def set_gate(self, g):
-        """Set the global gate g in place (a Python float; the buffer keeps its identity).
-        Raises ValueError for g outside [0, 1] (NaN included): TaperNorm mixes its two branches with
-        weights g and 1 − g, and beyond them it extrapolates (docs/method.md §1)."""
+        """Set the global gate g in place (a Python float; the buffer keeps its identity). ValueError for
+        g outside [0, 1], NaN included: beyond them the mix g·N + (1 − g)·L extrapolates (docs/method.md §1)."""
         if not 0.0 <= g <= 1.0:
             raise ValueError(f"gate g = {g:.6g} is outside [0, 1]: the gate schedule (train.get_gate) must "
                              "run from 1 to 0")
@@ -545,27 +537,6 @@ class GPT(nn.Module):
         for _, m in self.tapernorms():
             m.collect = mode
 
-    def calibration_buffers(self):
-        """(sums, emas): the buffers calibration_step reads and updates, in matching order. sums: each
-        TaperNorm's step_sums (2, d), then step_hidden_rms, step_micro, step_tokens; emas: each
-        TaperNorm's calib_num, calib_den (d,), then hidden_rms_ema as a (1,) view. Built once and kept
-        (a walk of the modules costs ~0.1 ms of host time, every warmup step), until _apply replaces
-        the buffers."""
-        if self._calibration is None:
-            norms = [m for _, m in self.tapernorms()]
-            self._calibration = ([m.step_sums for m in norms] + [self.step_hidden_rms, self.step_micro, self.step_tokens],
-                                 [t for m in norms for t in (m.calib_num, m.calib_den)] + [self.hidden_rms_ema.view(1)])
-        return self._calibration
-
-    @torch.no_grad()
-    def _step_statistics(self):
-        """The statistics collected since the last call, summed over ranks, as (means, micro-batches):
-        means (2 · n_norms · d + 1,) = each TaperNorm's N, then D, then mean s(h), each Σ_tokens / tokens
-        (laid out as calibration_buffers' emas); micro-batches: the collecting forwards (0-dim). The
-        sums are zeroed."""
-        flat = all_reduce_flat(self.calibration_buffers()[0])
-        return flat[:-2] / flat[-1], flat[-2]
-
     @torch.no_grad()
     def calibration_step(self):
         """calibration='ema' only: fold this optimizer step's statistics into the EMAs (ρ = CALIB_DECAY).
@@ -576,7 +547,7 @@ class GPT(nn.Module):
         here; on CUDA a device-side assert (no host sync each step), which surfaces at the next
         synchronization and leaves the CUDA context unusable.
         """
-        means, n_micro = self._step_statistics()
+        means, n_micro = step_statistics(self)
         message = "calibration_step() without a forward under set_collect('calibration')"
         if n_micro.device.type == 'cpu':
             if n_micro.item() == 0:
@@ -585,7 +556,7 @@ class GPT(nn.Module):
             torch._assert_async(n_micro > 0, message)
         # ema ← ρ·ema + (1 − ρ)·mean for every statistic in one foreach op, not one per buffer: on a
         # GPU each op is a kernel launch, and All-Taper has 2·(2·n_layer + 1) + 1 of them
-        emas = self.calibration_buffers()[1]
+        emas = calibration_buffers(self)[1]
         torch._foreach_lerp_(emas, means.split([t.numel() for t in emas]), 1 - CALIB_DECAY)
         self.calib_steps += 1
 
@@ -608,7 +579,7 @@ class GPT(nn.Module):
             raise RuntimeError("the model is already calibrated; the calibrate event runs once")
         norms = self.tapernorms()
         if mode == 'end':
-            means, n_micro = self._step_statistics()  # N, D per layer, then mean s(h)
+            means, n_micro = step_statistics(self)  # N, D per layer, then mean s(h)
             if n_micro.item() == 0:
                 raise RuntimeError("calibrate('end') before any forward under set_collect('calibration')")
             stats, s_tgt = means[:-1].view(2 * len(norms), -1).unbind(0), means[-1]
@@ -698,10 +669,8 @@ class GPT(nn.Module):
         """Allocate a static KV cache per layer, (batch_size, n_head, max_seq_len, head_dim),
         in the dtype and device of the weights, and the (max_seq_len, max_seq_len) causal mask.
 
-        The mask is additive (0 where a query may attend, −inf where it may not) and, like the
-        caches, a floating buffer that follows the weights' dtype through `.to()`: the form SDPA
-        adds to its scores as it is. A bool mask would be converted to that form by every layer's
-        SDPA call on every step (a `where` and two `scalar_tensor`s per layer).
+        The mask is additive (0 / −inf) in the weights' dtype (it follows `.to()`): SDPA adds it as it
+        is, where a bool mask costs every layer a `where` and two `scalar_tensor`s on every step.
 
         Raises ValueError if max_seq_len > block_size (the position embedding ends there).
         """
@@ -742,6 +711,38 @@ class GPT(nn.Module):
         return torch.cat([idx, tok, *rest], dim=1)
 
 @torch.no_grad()
+# ---- the GPT's plumbing: weights at init, the warmup statistics' buffers ---------------------
+
+def init_weights(module):  # GPT-2's: weights N(0, 0.02²), biases 0
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        torch.nn.init.zeros_(module.bias)
+
+
+def calibration_buffers(model):
+    """(sums, emas): the buffers GPT.calibration_step reads and updates, in matching order. sums: each
+    TaperNorm's step_sums (2, d), then step_hidden_rms, step_micro, step_tokens; emas: each
+    TaperNorm's calib_num, calib_den (d,), then hidden_rms_ema as a (1,) view. Built once and kept
+    (a walk of the modules costs ~0.1 ms of host time, every warmup step), until GPT._apply replaces
+    the buffers."""
+    if model._calibration is None:
+        norms = [m for _, m in model.tapernorms()]
+        model._calibration = ([m.step_sums for m in norms] + [model.step_hidden_rms, model.step_micro, model.step_tokens],
+                             [t for m in norms for t in (m.calib_num, m.calib_den)] + [model.hidden_rms_ema.view(1)])
+    return model._calibration
+
+
+@torch.no_grad()
+def step_statistics(model):
+    """The statistics collected since the last call, summed over ranks, as (means, micro-batches):
+    means (2 · n_norms · d + 1,) = each TaperNorm's N, then D, then mean s(h), each Σ_tokens / tokens
+    (laid out as calibration_buffers' emas); micro-batches: the collecting forwards (0-dim). The
+    sums are zeroed."""
+    flat = all_reduce_flat(calibration_buffers(model)[0])
+    return flat[:-2] / flat[-1], flat[-2]
+
+
 def branch_mismatch(model):
     """{layer name: ‖L(h) − N(h)‖ / ‖N(h)‖} over every token of the forwards run under
     set_collect('mismatch') (all-reduced over ranks): how far the linear branch the taper
