@@ -12,6 +12,7 @@ import os
 import torch
 
 from baselines import FAKELN_EVENTS
+from data.common import hub_offline
 from model import GPT, GPTConfig
 
 GPT2_MODELS = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
@@ -29,6 +30,15 @@ class PretrainedError(ValueError):
 
 def _first_line(e):
     return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)[:200]
+
+
+def hub_source(name_or_folder):
+    """transformers' from_pretrained arguments for a GPT2_MODELS name or a folder: the hub name, read
+    from the local cache alone when the hub does not answer (data.common.hub_offline: one probe, where
+    huggingface_hub would retry five times over ~30 s before failing), or the folder as it is."""
+    if name_or_folder not in GPT2_HUB:
+        return (name_or_folder,), {}
+    return (GPT2_HUB[name_or_folder],), {'local_files_only': hub_offline()}
 
 
 def _transformers():
@@ -62,7 +72,8 @@ def pretrained_config(name_or_folder):
                               "folder holding a transformers GPT-2 checkpoint (config.json + weights)")
     tf = _transformers()
     try:
-        hf = tf.AutoConfig.from_pretrained(GPT2_HUB.get(name_or_folder, name_or_folder))
+        args, kwargs = hub_source(name_or_folder)
+        hf = tf.AutoConfig.from_pretrained(*args, **kwargs)
     except Exception as e:
         raise load_error('read the config', name_or_folder, e) from None
     if not isinstance(hf, tf.GPT2Config):
@@ -161,7 +172,8 @@ def from_pretrained(name_or_folder, overrides=None):
     args = pretrained_args(name_or_folder, overrides)
     tf = _transformers()
     try:
-        hf = tf.GPT2LMHeadModel.from_pretrained(GPT2_HUB.get(name_or_folder, name_or_folder))
+        args, kwargs = hub_source(name_or_folder)
+        hf = tf.GPT2LMHeadModel.from_pretrained(*args, **kwargs)
     except Exception as e:  # no weights, offline, corrupt files: one line
         raise load_error('load the weights', name_or_folder, e) from None
     model = GPT(GPTConfig(**args))

@@ -68,6 +68,29 @@ def get_encoder():
     return _encoder
 
 
+HUB_PROBE_S = 10.0  # seconds the one probe of hub_offline waits for the hub's answer
+
+
+def hub_offline():
+    """True when the Hugging Face hub does not answer one HEAD request within HUB_PROBE_S seconds,
+    sent through huggingface_hub's own session (so HF_ENDPOINT, proxies and HF_HUB_OFFLINE=1 count).
+    Offline, huggingface_hub retries every request five times over about 25 s before it fails;
+    a download that asks this first goes to the local cache at once (local_files_only) and fails
+    there in a second when the files are not in it. False when huggingface_hub is not installed
+    (the download's own import then says so)."""
+    try:
+        from huggingface_hub import constants, get_session
+    except ImportError:
+        return False
+    if constants.HF_HUB_OFFLINE:
+        return True
+    try:
+        get_session().head(constants.ENDPOINT, timeout=HUB_PROBE_S)
+    except Exception:  # no DNS, no route, a proxy that refuses, a timeout: all mean "not now"
+        return True
+    return False
+
+
 def check_vocab_size(vocab_size):
     """SystemExit unless vocab_size is 0 (full GPT-2 vocabulary) or 2 <= vocab_size <= 50257."""
     if vocab_size != 0 and not 2 <= vocab_size <= GPT2_VOCAB_SIZE:
@@ -129,26 +152,33 @@ WIDE_BOMS = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xf
 NOT_TEXT_SHARE = 0.01  # NUL or U+FFFD in more than this share of the characters: not UTF-8 text
 
 
-def read_text(path):
-    """The whole of a UTF-8 text file as str, line endings normalized (normalize_newlines).
-    A stray bad byte does not abort a run: it becomes U+FFFD. SystemExit, in one line with the
-    iconv command that converts it, for a file that starts with a UTF-16/32 byte-order mark or
-    whose characters are more than NOT_TEXT_SHARE NUL or undecodable (U+FFFD): UTF-16 without a
-    mark, Latin-1, a binary file. Read as UTF-8 it would be prepared into garbage tokens."""
+def check_utf8(path, sample_bytes=1 << 20):
+    """SystemExit, in one line with the iconv command that converts it, for a file that starts
+    with a UTF-16/32 byte-order mark or whose first sample_bytes decode to more than
+    NOT_TEXT_SHARE NUL or undecodable (U+FFFD) characters: UTF-16 without a mark, Latin-1, a
+    binary file. Read as UTF-8 it would be prepared into garbage tokens. Every text input (.txt,
+    .jsonl) of every prepare script goes through this before it is read."""
     with open(path, "rb") as f:
-        head = f.read(4)
+        head = f.read(sample_bytes)
     wide = next((name for bom, name in WIDE_BOMS.items() if head.startswith(bom)), None)
     convert = lambda source: f"convert it to UTF-8 first: iconv -f {source} -t UTF-8 {path} > {path}.utf8.txt"
     if wide:
         raise SystemExit(f"{path} starts with a {wide} byte-order mark, and prepare reads UTF-8: {convert(wide)}")
-    with open(path, encoding="utf-8", errors="replace", newline="") as f:
-        text = f.read()
+    text = head.decode("utf-8", errors="replace")
     bad = text.count("\0") + text.count("\ufffd")
     if bad > NOT_TEXT_SHARE * len(text):
-        raise SystemExit(f"{path} is not UTF-8 text: {bad:,} of its {len(text):,} characters ({bad / len(text):.0%}) "
-                         f"are NUL or undecodable bytes; {convert('UTF-16')} (or -f UTF-32, -f LATIN1: the encoding "
-                         "it was written in)")
-    return normalize_newlines(text)
+        raise SystemExit(f"{path} is not UTF-8 text: {bad:,} of its {len(text):,} characters{' read' * (len(head) == sample_bytes)} "
+                         f"({bad / len(text):.0%}) are NUL or undecodable bytes; {convert('UTF-16')} (or -f UTF-32, "
+                         "-f LATIN1: the encoding it was written in)")
+
+
+def read_text(path):
+    """The whole of a UTF-8 text file as str, line endings normalized (normalize_newlines).
+    A stray bad byte does not abort a run: it becomes U+FFFD. SystemExit for a file that is not
+    UTF-8 text (check_utf8)."""
+    check_utf8(path)
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        return normalize_newlines(f.read())
 
 
 def _batches(docs, batch_chars):

@@ -42,12 +42,15 @@ def offline_help(name):
 def hub_documents(repo, name):
     """The `text` of every row of the hub dataset's train split, streamed (datasets,
     streaming=True): nothing is downloaded ahead. SystemExit with one line saying how to pass
-    local files when datasets is missing or the stream fails (offline)."""
+    local files when datasets is missing, the hub does not answer (common.hub_offline) or the
+    stream fails."""
     try:
         from datasets import load_dataset
     except ImportError:
         raise SystemExit(f"streaming {repo} needs the datasets package (pip install datasets). "
                          f"{offline_help(name)}") from None
+    if common.hub_offline():  # a stream has no local cache to fall back on; fail now, not after the retries
+        raise SystemExit(f"cannot stream {repo}: the Hugging Face hub did not answer. {offline_help(name)}")
     try:
         for row in load_dataset(repo, split="train", streaming=True):
             yield row["text"] or ""

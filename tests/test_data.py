@@ -380,6 +380,89 @@ def test_tinystories_offline_says_how_to_pass_local_files(tmp_path, monkeypatch)
     assert "huggingface_hub" in str(e.value) and "--input=" in str(e.value)
 
 
+def fake_hub(monkeypatch, answers, cached=None, offline_env=False):
+    """huggingface_hub stand-in: its session's HEAD succeeds when `answers` (else the ConnectionError
+    of a machine offline); hf_hub_download returns `cached`'s path for a file with local_files_only,
+    or fails as the real one does when the file is not cached. Returns (probes, downloads) lists."""
+    probes, downloads = [], []
+
+    class Session:
+        def head(self, url, timeout):
+            probes.append((url, timeout))
+            if not answers:
+                raise ConnectionError("Failed to resolve 'huggingface.co'")
+
+    def hf_hub_download(repo_id, repo_type, filename, local_files_only):
+        downloads.append((filename, local_files_only))
+        if cached and filename in cached:
+            return cached[filename]
+        raise OSError("cannot find the requested files in the local cache" if local_files_only else "download fails")
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(
+        hf_hub_download=hf_hub_download, get_session=Session,
+        constants=types.SimpleNamespace(HF_HUB_OFFLINE=offline_env, ENDPOINT="https://huggingface.co")))
+    return probes, downloads
+
+
+def test_tinystories_with_the_hub_out_of_reach_probes_once_and_reads_only_the_local_cache(tmp_path, monkeypatch):
+    """Offline, huggingface_hub retried each file five times (~25 s) before the offline message: now one
+    HEAD probe decides, and the files come from the local cache (local_files_only) or the message comes
+    at once."""
+    probes, downloads = fake_hub(monkeypatch, answers=False)
+    with pytest.raises(SystemExit) as e:
+        ts_prepare.main([f"--out_dir={tmp_path}"])
+    assert probes == [("https://huggingface.co", common.HUB_PROBE_S)]
+    assert downloads == [(ts_prepare.HF_FILES[0], True)]  # the first miss ends it
+    assert str(e.value).startswith("could not download TinyStories from the Hugging Face hub (the hub did not "
+                                   "answer, and the files are not in the local cache).\n")
+    assert ts_prepare.OFFLINE_HELP in str(e.value)
+
+    # the files in the cache: prepared from there, offline
+    cached = {}
+    for name, n in zip(ts_prepare.HF_FILES, (30, 5)):
+        cached[name] = str(tmp_path / name)
+        (tmp_path / name).write_text("".join(s + "\n<|endoftext|>\n" for s in stories(n, seed=n)))
+    probes, downloads = fake_hub(monkeypatch, answers=False, cached=cached)
+    meta = ts_prepare.main([f"--out_dir={tmp_path / 'out'}", "--vocab_size=0"])
+    assert downloads == [(name, True) for name in ts_prepare.HF_FILES] and meta["tokens"]["train"] > meta["tokens"]["val"] > 0
+
+    # the hub answers: downloaded as before; HF_HUB_OFFLINE=1: no probe, the cache alone
+    probes, downloads = fake_hub(monkeypatch, answers=True, cached=cached)
+    ts_prepare.main([f"--out_dir={tmp_path / 'out2'}", "--vocab_size=0"])
+    assert len(probes) == 1 and downloads == [(name, False) for name in ts_prepare.HF_FILES]
+    probes, downloads = fake_hub(monkeypatch, answers=True, offline_env=True)
+    with pytest.raises(SystemExit, match="did not answer"):
+        ts_prepare.main([f"--out_dir={tmp_path / 'out3'}"])
+    assert probes == [] and downloads == [(ts_prepare.HF_FILES[0], True)]
+
+
+def test_a_hub_stream_with_the_hub_out_of_reach_fails_before_streaming(tmp_path, monkeypatch):
+    owt = load_script("owt_prepare_offline", REPO / "data" / "openwebtext" / "prepare.py")
+    streamed = []
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda *a, **k: streamed.append(a)))
+    probes, _ = fake_hub(monkeypatch, answers=False)
+    with pytest.raises(SystemExit) as e:
+        owt.main([f"--out_dir={tmp_path}"])
+    assert len(probes) == 1 and streamed == []
+    assert str(e.value).startswith("cannot stream Skylion007/openwebtext: the Hugging Face hub did not answer. "
+                                   "Offline, pass local files: python data/openwebtext/prepare.py --input=")
+
+
+@pytest.mark.parametrize("name", ["stories.txt", "stories.jsonl"])
+def test_a_utf16_tinystories_input_is_refused_with_the_command_that_converts_it(tmp_path, name):
+    """read_text's check (the text prepare) now guards the TinyStories readers too (and the hub corpora's
+    --input, which read through them): UTF-16 was read as garbage, or a jsonl raised UnicodeDecodeError."""
+    rows = stories(20, seed=2)
+    text = ("".join(s + "\n<|endoftext|>\n" for s in rows) if name.endswith(".txt")
+            else "".join(json.dumps({"text": s}) + "\n" for s in rows))
+    (tmp_path / name).write_bytes(text.encode("utf-16"))
+    with pytest.raises(SystemExit) as e:
+        ts_prepare.main([f"--input={tmp_path / name}", f"--out_dir={tmp_path / 'out'}"])
+    assert str(e.value) == (f"{tmp_path / name} starts with a UTF-16 byte-order mark, and prepare reads UTF-8: convert "
+                            f"it to UTF-8 first: iconv -f UTF-16 -t UTF-8 {tmp_path / name} > {tmp_path / name}.utf8.txt")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("case, message", [
     ("missing", "not found"), ("empty", "need at least two"), ("only_val", "validation"),
     ("one_story", "need at least two"),

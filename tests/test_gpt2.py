@@ -158,13 +158,19 @@ def test_what_cannot_be_loaded_says_why(tmp_path):
 def test_a_gpt2_name_that_cannot_be_read_offline_says_how_to_train_from_a_folder(monkeypatch, tmp_path):
     """Offline, transformers cannot download 'gpt2': the one line train.py prints names the folder route,
     and a folder that cannot be read does not get that advice (it is no download)."""
+    import gpt2
     import transformers
+    asked = []
 
     def offline(*args, **kwargs):
+        asked.append((args, kwargs))
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files\nand more")
     monkeypatch.setattr(transformers.AutoConfig, 'from_pretrained', offline)
+    monkeypatch.setattr(gpt2, 'hub_offline', lambda: True)  # the probe found no hub
     with pytest.raises(PretrainedError) as e:
         pretrained_args('gpt2-medium')
+    # no hub: the local cache alone, at once, not huggingface_hub's five retries
+    assert asked == [(('openai-community/gpt2-medium',), {'local_files_only': True})]
     assert str(e.value) == (
         "cannot read the config of gpt2-medium (We couldn't connect to 'https://huggingface.co' to load the "
         "files); offline, give init_from a folder holding config.json and the weights, saved on a machine online by "
@@ -173,6 +179,7 @@ def test_a_gpt2_name_that_cannot_be_read_offline_says_how_to_train_from_a_folder
     (tmp_path / 'config.json').write_text('{}')
     with pytest.raises(PretrainedError, match=r"^cannot read the config of .*\)$"):
         pretrained_args(str(tmp_path))
+    assert asked[-1] == ((str(tmp_path),), {})  # a folder: read as it is, no probe of the hub
 
 
 def test_without_transformers_the_error_says_pip_install_transformers(monkeypatch, tmp_path):
@@ -608,6 +615,7 @@ def fake_datasets(monkeypatch, rows, calls):
         calls.append((repo, split, streaming))
         return rows
     monkeypatch.setitem(sys.modules, 'datasets', types.SimpleNamespace(load_dataset=load_dataset))
+    monkeypatch.setattr(owt.hub_corpus.common, 'hub_offline', lambda: False)  # the hub answers
 
 
 @pytest.mark.parametrize('script, repo', [(owt, 'Skylion007/openwebtext'), (pile, 'monology/pile-uncopyrighted')])

@@ -478,7 +478,7 @@ def test_main_command_prepares_tinystories_when_missing(tmp_path, monkeypatch):
     import types
     asked = []
 
-    def hf_hub_download(repo_id, repo_type, filename):  # the hub, faked with the V2 text layout
+    def hf_hub_download(repo_id, repo_type, filename, local_files_only):  # the hub, faked with the V2 text layout
         asked.append((repo_id, repo_type, filename))
         n = 400 if 'train' in filename else 40
         path = tmp_path / filename

@@ -43,19 +43,23 @@ and pass them as local files:
 
 
 def download():
-    """Fetch HF_FILES from the hub into the huggingface_hub cache; returns their local paths.
-    SystemExit with OFFLINE_HELP if huggingface_hub is missing or the download fails."""
+    """Fetch HF_FILES from the hub into the huggingface_hub cache; returns their local paths. With
+    the hub out of reach (common.hub_offline: one probe, not five retries a file) they come from
+    that cache or not at all. SystemExit with OFFLINE_HELP if huggingface_hub is missing or the
+    download fails."""
     try:
         from huggingface_hub import hf_hub_download
     except ImportError:
         raise SystemExit("downloading TinyStories needs huggingface_hub (pip install "
                          f"huggingface_hub), which is not installed.\n{OFFLINE_HELP}") from None
+    offline = common.hub_offline()
     try:
-        return [hf_hub_download(repo_id=HF_REPO, repo_type="dataset", filename=name)
+        return [hf_hub_download(repo_id=HF_REPO, repo_type="dataset", filename=name, local_files_only=offline)
                 for name in HF_FILES]
     except Exception as e:  # offline, blocked, HF_HUB_OFFLINE=1: all mean "use local files"
-        raise SystemExit(f"could not download TinyStories from the Hugging Face hub "
-                         f"({type(e).__name__}: {e}).\n{OFFLINE_HELP}") from None
+        why = ("the hub did not answer, and the files are not in the local cache"
+               if offline else f"{type(e).__name__}: {e}")
+        raise SystemExit(f"could not download TinyStories from the Hugging Face hub ({why}).\n{OFFLINE_HELP}") from None
 
 
 def read_txt(path):
@@ -107,15 +111,15 @@ def read_parquet(path):
 
 
 def read_stories(paths):
-    """Stories of all files in order, each read by its format (by file extension)."""
+    """Stories of all files in order, each read by its format (by file extension). SystemExit for
+    a .txt or .jsonl file that is not UTF-8 text (common.check_utf8), before any of it is read."""
     for path in paths:
         ext = os.path.splitext(path)[1].lower()
         if ext == ".parquet":
             yield from read_parquet(path)
-        elif ext in (".jsonl", ".json"):
-            yield from read_jsonl(path)
-        else:
-            yield from read_txt(path)
+            continue
+        common.check_utf8(path)
+        yield from read_jsonl(path) if ext in (".jsonl", ".json") else read_txt(path)
 
 
 def is_validation(path):
