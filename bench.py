@@ -53,8 +53,8 @@ from functools import partial
 import torch
 
 from baselines import NORM_FREE
-from benchkit import (calibrated_model, conditions, default_trials, interleaved, median_ratio_interval, print_conditions,
-                      print_profile, random_tokens, sync, with_peak)
+from benchkit import (calibrated_model, conditions, default_trials, interleaved, median_ratio_interval, out_of_memory,
+                      print_conditions, print_profile, random_tokens, sync, with_peak)
 from configurator import ConfigError, configure, defaults_of, keys_set, resolve_device, set_tf32, uses_tf32
 from fold import CheckError, fold_model, max_logit_error, tensor_bytes
 from model import GPT, LADDER, GPTConfig, TaperScale, decode_n_tokens, decode_one_token, prefill, unfused
@@ -361,8 +361,8 @@ def main(argv):
     try:
         for m in gated.values():
             m.to(dev).setup_caches(B, P + N)
-    except RuntimeError as e:  # CUDA's OutOfMemoryError is one; the CPU allocator raises a plain one
-        if not (isinstance(e, torch.OutOfMemoryError) or 'out of memory' in str(e) or 'allocate memory' in str(e)):
+    except RuntimeError as e:
+        if not out_of_memory(e):
             raise
         raise SystemExit(f"the {len(gated)} models and their KV caches (batch_size {B} × {P + N} positions each) do "
                          f"not fit in {dev}'s memory: lower --batch_size (or --prompt_len + --new_tokens, or --size)") from None

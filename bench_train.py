@@ -44,8 +44,8 @@ import torch
 from tqdm import tqdm
 
 import train
-from benchkit import (calibrated_model, conditions, default_trials, interleaved, print_conditions, print_profile,
-                      random_tokens, sync, with_peak)
+from benchkit import (calibrated_model, conditions, default_trials, interleaved, out_of_memory, print_conditions,
+                      print_profile, random_tokens, sync, with_peak)
 from configurator import check_compiler
 from fold import tensor_bytes
 from model import GPT, PHASES, GPTConfig
@@ -295,9 +295,16 @@ def main(cfg, arch, flags):
           f"({source}; dataset {sched['dataset']})")
     if cfg.trials < 5:
         print(f"  note: {cfg.trials} trial{'s' * (cfg.trials != 1)}; medians of fewer than 5 are noisy")
-    rows = build_rows(arch, cfg.seed, env)
-    batches = RandomBatches(arch['vocab_size'], B, T, env.dev, cfg.seed + 3)
-    results = [x for compiled in flags for x in time_rows(rows, compiled, batches, env, cfg.trials, B * T, cfg.profile)]
+    try:
+        rows = build_rows(arch, cfg.seed, env)
+        batches = RandomBatches(arch['vocab_size'], B, T, env.dev, cfg.seed + 3)
+        results = [x for compiled in flags for x in time_rows(rows, compiled, batches, env, cfg.trials, B * T, cfg.profile)]
+    except RuntimeError as e:
+        if not out_of_memory(e):
+            raise
+        raise SystemExit(f"the {len(VARIANT_CONFIGS)} variants' models (one a phase, each with its AdamW state) and a "
+                         f"training step of batch_size {B} × block_size {T} do not fit in {env.dev}'s memory: lower "
+                         "--batch_size (or --block_size, or --size)") from None
     projection = projected_run(results, sched)
     print_table(results, sched, projection)
     device = torch.cuda.get_device_name(env.dev) if env.device_type == 'cuda' else f'cpu ({os.cpu_count()} cores)'

@@ -219,6 +219,33 @@ def test_a_batch_whose_kv_caches_do_not_fit_names_the_flag_to_lower(monkeypatch,
         bench.main(TINY)
 
 
+@pytest.mark.parametrize('error', [
+    RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 68719476736 bytes."),
+    torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 64.00 GiB.'),
+])
+def test_a_training_step_that_does_not_fit_names_the_flag_to_lower(monkeypatch, error):
+    """--mode=train: the allocator's error in a timed step (a stand-in: the fourth row's warm-up step)
+    ends in one line naming the flag; any other error is not called that."""
+    calls, real = [], bench_train.train.train_step
+
+    def train_step(*args):
+        calls.append(args)
+        if len(calls) == 4:
+            raise error
+        return real(*args)
+
+    monkeypatch.setattr(bench_train.train, 'train_step', train_step)
+    with pytest.raises(SystemExit) as e:
+        bench.main(TRAIN + ['--compile=eager'])
+    assert str(e.value) == ("the 5 variants' models (one a phase, each with its AdamW state) and a training step of "
+                            "batch_size 2 × block_size 16 do not fit in cpu's memory: lower --batch_size (or "
+                            "--block_size, or --size)")
+    calls.clear()
+    error = ValueError('something else')
+    with pytest.raises(ValueError, match='something else'):
+        bench.main(TRAIN + ['--compile=eager'])
+
+
 def test_compiled_path_passes_its_gate_without_recompiling(monkeypatch, capsys):
     """The compiled code path, traced by dynamo (fullgraph) with the eager backend to stay fast."""
     import torch._dynamo
