@@ -248,7 +248,8 @@ def mean_ce(model, data, starts, batch_size, block_size, env, desc='windows'):
     if ces:
         total[0] = torch.stack(ces).cpu().double() @ torch.tensor(counts, dtype=torch.float64)
     if env.ddp:  # NCCL reduces only device tensors (CUDA has float64); gloo, the only backend off CUDA, host ones
-        shared = total.to(env.dev) if torch.distributed.get_backend() == 'nccl' else total
+        # copy=True: the reduced sums are read from the device copy alone, even where dev is the host
+        shared = total.to(env.dev, copy=True) if torch.distributed.get_backend() == 'nccl' else total
         torch.distributed.all_reduce(shared)
         total = shared.cpu()
     return (total[0] / total[1]).item()

@@ -868,12 +868,13 @@ def test_a_resume_on_other_data_is_refused_naming_what_differs_and_the_folder_th
     assert read_log(out)[-1]['final_val_loss'] > 0
 
 
-@pytest.mark.parametrize('world', [1, 2])
+@pytest.mark.parametrize('world, backend', [(1, 'gloo'), (2, 'gloo'), (2, 'nccl')])
 def test_the_final_losses_read_the_device_once_and_sum_every_rank_in_float64_on_the_host(toy_data, monkeypatch,
-                                                                                      world):
+                                                                                      world, backend):
     """runs.mean_ce keeps each batch's CE on the device, reads them back in one .cpu() and sums in float64
-    on the host (MPS has none); under DDP (rank 0 of 2 here, gloo) it all-reduces that host [sum of CE
-    over tokens, tokens]: the mean over both ranks' windows is the single process's."""
+    on the host (MPS has none); under DDP (rank 0 of 2 here) it all-reduces [sum of CE over tokens, tokens],
+    gloo on the host, NCCL a copy on the device (here the CPU stands in for it) that it reads back: the mean
+    over both ranks' windows is the single process's."""
     from contextlib import nullcontext
     import torch.nn.functional as F
     from model import GPT, GPTConfig
@@ -897,7 +898,7 @@ def test_the_final_losses_read_the_device_once_and_sum_every_rank_in_float64_on_
         tensor += rank_1
 
     monkeypatch.setattr(torch.distributed, 'all_reduce', all_reduce)
-    monkeypatch.setattr(torch.distributed, 'get_backend', lambda: 'gloo')
+    monkeypatch.setattr(torch.distributed, 'get_backend', lambda: backend)
     env = SimpleNamespace(rank=0, world=world, ddp=world > 1, dev='cpu', master=True, autocast=nullcontext())
     with HostReads() as reads:
         got = runs.mean_ce(model, data, starts, 4, 16, env)
