@@ -72,8 +72,8 @@ def pretrained_config(name_or_folder):
                               "folder holding a transformers GPT-2 checkpoint (config.json + weights)")
     tf = _transformers()
     try:
-        args, kwargs = hub_source(name_or_folder)
-        hf = tf.AutoConfig.from_pretrained(*args, **kwargs)
+        source, kwargs = hub_source(name_or_folder)
+        hf = tf.AutoConfig.from_pretrained(*source, **kwargs)
     except Exception as e:
         raise load_error('read the config', name_or_folder, e) from None
     if not isinstance(hf, tf.GPT2Config):
@@ -172,8 +172,8 @@ def from_pretrained(name_or_folder, overrides=None):
     args = pretrained_args(name_or_folder, overrides)
     tf = _transformers()
     try:
-        args, kwargs = hub_source(name_or_folder)
-        hf = tf.GPT2LMHeadModel.from_pretrained(*args, **kwargs)
+        source, kwargs = hub_source(name_or_folder)
+        hf = tf.GPT2LMHeadModel.from_pretrained(*source, **kwargs)
     except Exception as e:  # no weights, offline, corrupt files: one line
         raise load_error('load the weights', name_or_folder, e) from None
     model = GPT(GPTConfig(**args))
