@@ -35,7 +35,7 @@ def _first_line(e):
 def hub_source(name_or_folder):
     """transformers' from_pretrained arguments for a GPT2_MODELS name or a folder: the hub name, read
     from the local cache alone when the hub does not answer (data.common.hub_offline: one probe, where
-    huggingface_hub would retry five times over ~30 s before failing), or the folder as it is."""
+    huggingface_hub would retry five times over ~25 s before failing), or the folder as it is."""
     if name_or_folder not in GPT2_HUB:
         return (name_or_folder,), {}
     return (GPT2_HUB[name_or_folder],), {'local_files_only': hub_offline()}

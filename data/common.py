@@ -72,8 +72,9 @@ HUB_PROBE_S = 10.0  # seconds the one probe of hub_offline waits for the hub's a
 
 
 def hub_offline():
-    """True when the Hugging Face hub does not answer one HEAD request within HUB_PROBE_S seconds,
-    sent through huggingface_hub's own session (so HF_ENDPOINT, proxies and HF_HUB_OFFLINE=1 count).
+    """True when the Hugging Face hub does not answer one HEAD request (timeout HUB_PROBE_S seconds a
+    connection attempt), sent through huggingface_hub's own session (so HF_ENDPOINT, proxies and
+    HF_HUB_OFFLINE=1 count; the last sends nothing).
     Offline, huggingface_hub retries every request five times over about 25 s before it fails;
     a download that asks this first goes to the local cache at once (local_files_only) and fails
     there in a second when the files are not in it. False when huggingface_hub is not installed
@@ -100,12 +101,17 @@ def check_vocab_size(vocab_size):
 
 
 def check_inputs(paths, fix):
-    """SystemExit naming the first missing file; `fix` is the command line to suggest."""
+    """SystemExit naming the first missing file (`fix` is the command line to suggest), or the first
+    text file (any but .parquet) that is not UTF-8 (check_utf8): every input is checked before the
+    first is read, so a bad validation file is refused before the training split is encoded."""
     if not paths:
         raise SystemExit(f"no input files given. {fix}")
     for p in paths:
         if not os.path.isfile(p):
             raise SystemExit(f"input file not found: {p}. {fix}")
+    for p in paths:
+        if not str(p).lower().endswith(".parquet"):
+            check_utf8(p)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -156,8 +162,8 @@ def check_utf8(path, sample_bytes=1 << 20):
     """SystemExit, in one line with the iconv command that converts it, for a file that starts
     with a UTF-16/32 byte-order mark or whose first sample_bytes decode to more than
     NOT_TEXT_SHARE NUL or undecodable (U+FFFD) characters: UTF-16 without a mark, Latin-1, a
-    binary file. Read as UTF-8 it would be prepared into garbage tokens. Every text input (.txt,
-    .jsonl) of every prepare script goes through this before it is read."""
+    binary file. Read as UTF-8 it would be prepared into garbage tokens. Every --input of every
+    prepare script (check_inputs) and every downloaded text (read_text) goes through this."""
     with open(path, "rb") as f:
         head = f.read(sample_bytes)
     wide = next((name for bom, name in WIDE_BOMS.items() if head.startswith(bom)), None)

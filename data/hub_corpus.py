@@ -50,7 +50,8 @@ def hub_documents(repo, name):
         raise SystemExit(f"streaming {repo} needs the datasets package (pip install datasets). "
                          f"{offline_help(name)}") from None
     if common.hub_offline():  # a stream has no local cache to fall back on; fail now, not after the retries
-        raise SystemExit(f"cannot stream {repo}: the Hugging Face hub did not answer. {offline_help(name)}")
+        raise SystemExit(f"cannot stream {repo}: the Hugging Face hub is out of reach (no answer, or HF_HUB_OFFLINE=1). "
+                         f"{offline_help(name)}")
     try:
         for row in load_dataset(repo, split="train", streaming=True):
             yield row["text"] or ""

@@ -413,8 +413,8 @@ def test_tinystories_with_the_hub_out_of_reach_probes_once_and_reads_only_the_lo
         ts_prepare.main([f"--out_dir={tmp_path}"])
     assert probes == [("https://huggingface.co", common.HUB_PROBE_S)]
     assert downloads == [(ts_prepare.HF_FILES[0], True)]  # the first miss ends it
-    assert str(e.value).startswith("could not download TinyStories from the Hugging Face hub (the hub did not "
-                                   "answer, and the files are not in the local cache).\n")
+    assert str(e.value).startswith("could not download TinyStories from the Hugging Face hub (the hub is out of "
+                                   "reach (no answer, or HF_HUB_OFFLINE=1), and the files are not in the local cache).\n")
     assert ts_prepare.OFFLINE_HELP in str(e.value)
 
     # the files in the cache: prepared from there, offline
@@ -431,7 +431,7 @@ def test_tinystories_with_the_hub_out_of_reach_probes_once_and_reads_only_the_lo
     ts_prepare.main([f"--out_dir={tmp_path / 'out2'}", "--vocab_size=0"])
     assert len(probes) == 1 and downloads == [(name, False) for name in ts_prepare.HF_FILES]
     probes, downloads = fake_hub(monkeypatch, answers=True, offline_env=True)
-    with pytest.raises(SystemExit, match="did not answer"):
+    with pytest.raises(SystemExit, match="out of reach"):
         ts_prepare.main([f"--out_dir={tmp_path / 'out3'}"])
     assert probes == [] and downloads == [(ts_prepare.HF_FILES[0], True)]
 
@@ -444,23 +444,38 @@ def test_a_hub_stream_with_the_hub_out_of_reach_fails_before_streaming(tmp_path,
     with pytest.raises(SystemExit) as e:
         owt.main([f"--out_dir={tmp_path}"])
     assert len(probes) == 1 and streamed == []
-    assert str(e.value).startswith("cannot stream Skylion007/openwebtext: the Hugging Face hub did not answer. "
-                                   "Offline, pass local files: python data/openwebtext/prepare.py --input=")
+    assert str(e.value).startswith("cannot stream Skylion007/openwebtext: the Hugging Face hub is out of reach (no "
+                                   "answer, or HF_HUB_OFFLINE=1). Offline, pass local files: python "
+                                   "data/openwebtext/prepare.py --input=")
 
 
-@pytest.mark.parametrize("name", ["stories.txt", "stories.jsonl"])
-def test_a_utf16_tinystories_input_is_refused_with_the_command_that_converts_it(tmp_path, name):
-    """read_text's check (the text prepare) now guards the TinyStories readers too (and the hub corpora's
-    --input, which read through them): UTF-16 was read as garbage, or a jsonl raised UnicodeDecodeError."""
+@pytest.mark.parametrize("name", ["stories-valid.txt", "stories-valid.jsonl"])
+def test_a_utf16_tinystories_input_is_refused_before_any_input_is_read(tmp_path, monkeypatch, name):
+    """read_text's check (the text prepare) now guards every --input (the TinyStories readers, and the hub
+    corpora's, which read through them): UTF-16 was read as garbage, or a jsonl raised UnicodeDecodeError.
+    A bad validation file given after a good training file is refused before the training split is encoded."""
     rows = stories(20, seed=2)
     text = ("".join(s + "\n<|endoftext|>\n" for s in rows) if name.endswith(".txt")
             else "".join(json.dumps({"text": s}) + "\n" for s in rows))
     (tmp_path / name).write_bytes(text.encode("utf-16"))
+    (tmp_path / "train.txt").write_text("".join(s + "\n<|endoftext|>\n" for s in stories(30, seed=3)))
+    encoded = []
+    monkeypatch.setattr(common, "encode_documents", lambda *a, **k: encoded.append(a))
     with pytest.raises(SystemExit) as e:
-        ts_prepare.main([f"--input={tmp_path / name}", f"--out_dir={tmp_path / 'out'}"])
+        ts_prepare.main([f"--input={tmp_path / 'train.txt'}", f"--input={tmp_path / name}",
+                         f"--out_dir={tmp_path / 'out'}"])
     assert str(e.value) == (f"{tmp_path / name} starts with a UTF-16 byte-order mark, and prepare reads UTF-8: convert "
                             f"it to UTF-8 first: iconv -f UTF-16 -t UTF-8 {tmp_path / name} > {tmp_path / name}.utf8.txt")
-    assert not (tmp_path / "out").exists()
+    assert encoded == [] and not (tmp_path / "out").exists()
+
+
+def test_a_stray_bad_byte_in_a_jsonl_input_is_replaced_as_in_a_txt_one(tmp_path):
+    rows = stories(30, seed=4)
+    lines = [json.dumps({"text": s}).encode() for s in rows]
+    lines[3] = lines[3].replace(b'"text": "', b'"text": "\xe9', 1)  # one Latin-1 byte: under the 1 % refusal
+    (tmp_path / "s.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    assert list(ts_prepare.read_jsonl(tmp_path / "s.jsonl")) == [("\ufffd" if i == 3 else "") + s
+                                                               for i, s in enumerate(rows)]
 
 
 @pytest.mark.parametrize("case, message", [

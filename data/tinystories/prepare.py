@@ -57,7 +57,7 @@ def download():
         return [hf_hub_download(repo_id=HF_REPO, repo_type="dataset", filename=name, local_files_only=offline)
                 for name in HF_FILES]
     except Exception as e:  # offline, blocked, HF_HUB_OFFLINE=1: all mean "use local files"
-        why = ("the hub did not answer, and the files are not in the local cache"
+        why = ("the hub is out of reach (no answer, or HF_HUB_OFFLINE=1), and the files are not in the local cache"
                if offline else f"{type(e).__name__}: {e}")
         raise SystemExit(f"could not download TinyStories from the Hugging Face hub ({why}).\n{OFFLINE_HELP}") from None
 
@@ -84,7 +84,7 @@ def read_txt(path):
 def read_jsonl(path):
     """Stories (the `text` field, stripped; null is "") of a JSON Lines file; SystemExit on a
     malformed line."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # a stray bad byte: U+FFFD, as in read_txt
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -111,15 +111,15 @@ def read_parquet(path):
 
 
 def read_stories(paths):
-    """Stories of all files in order, each read by its format (by file extension). SystemExit for
-    a .txt or .jsonl file that is not UTF-8 text (common.check_utf8), before any of it is read."""
+    """Stories of all files in order, each read by its format (by file extension)."""
     for path in paths:
         ext = os.path.splitext(path)[1].lower()
         if ext == ".parquet":
             yield from read_parquet(path)
-            continue
-        common.check_utf8(path)
-        yield from read_jsonl(path) if ext in (".jsonl", ".json") else read_txt(path)
+        elif ext in (".jsonl", ".json"):
+            yield from read_jsonl(path)
+        else:
+            yield from read_txt(path)
 
 
 def is_validation(path):
