@@ -53,12 +53,12 @@ from functools import partial
 import torch
 
 from baselines import NORM_FREE
-from benchkit import (calibrated_model, conditions, default_trials, interleaved, median_ratio_interval, out_of_memory,
-                      print_conditions, print_profile, random_tokens, sync, with_peak)
+from benchkit import (calibrated_model, conditions, default_trials, interleaved, median_ratio_interval, print_conditions,
+                      print_profile, random_tokens, sync, with_peak)
 from configurator import ConfigError, configure, defaults_of, keys_set, resolve_device, set_tf32, uses_tf32
 from fold import CheckError, fold_model, max_logit_error, tensor_bytes
 from model import GPT, LADDER, GPTConfig, TaperScale, decode_n_tokens, decode_one_token, prefill, unfused
-from runs import load_model
+from runs import load_model, out_of_memory
 
 # -----------------------------------------------------------------------------
 mode = 'decode'         # 'decode': KV-cached decoding | 'train': an optimizer step per variant and phase

@@ -44,12 +44,12 @@ import torch
 from tqdm import tqdm
 
 import train
-from benchkit import (calibrated_model, conditions, default_trials, interleaved, out_of_memory, print_conditions,
-                      print_profile, random_tokens, sync, with_peak)
+from benchkit import (calibrated_model, conditions, default_trials, interleaved, print_conditions, print_profile,
+                      random_tokens, sync, with_peak)
 from configurator import check_compiler
 from fold import tensor_bytes
 from model import GPT, PHASES, GPTConfig
-from runs import compile_model, setup
+from runs import compile_model, out_of_memory, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 VARIANT_CONFIGS = {'baseline': ['config/tinystories_baseline.py'], 'internal': ['config/tinystories_internal_taper.py'],

@@ -122,14 +122,6 @@ def print_profile(prof, title, device_type, row_limit):
            if device_type == 'cuda' else ''))
 
 
-def out_of_memory(e):
-    """Whether exception e is an allocator's refusal: CUDA's torch.OutOfMemoryError, or the plain
-    RuntimeError of the CPU allocator ("can't allocate memory") and of backends that say "out of
-    memory" (MPS; inductor's wrappers keep the message)."""
-    return isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and ('out of memory' in str(e) or 'allocate memory' in str(e)))
-
-
 def with_peak(run, device_type):
     """run wrapped to return (its result, the most bytes it allocated on top of what was allocated
     when it started: torch.cuda.max_memory_allocated() − memory_allocated(); None off CUDA, where

@@ -606,6 +606,14 @@ class StopSignal:
             signal.signal(s, handler)
 
 
+def out_of_memory(e):
+    """Whether exception e is an allocator's refusal: CUDA's torch.OutOfMemoryError, or the plain
+    RuntimeError of the CPU allocator ("can't allocate memory") and of backends that say "out of
+    memory" (MPS; inductor's wrappers keep the message)."""
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and ('out of memory' in str(e) or 'allocate memory' in str(e)))
+
+
 def log(record, cfg, env, progress=''):
     """Append one record to out_dir/log.jsonl (rank 0) and print the step records, a step's line
     ending with `progress` (Progress.status) when given."""
@@ -833,13 +841,23 @@ class Run:
 
     def __exit__(self, exc_type, exc, tb):
         """A run that ended or stopped (Stopped) ends its processes together (end_processes); an
-        error propagates without a collective, which a rank that failed alone would never meet."""
+        error propagates without a collective, which a rank that failed alone would never meet. Out
+        of memory (out_of_memory) becomes one line: what did not fit and which keys to change."""
+        doing = self.doing()
         try:
             if exc_type is None or issubclass(exc_type, Stopped):
                 end_processes(self.env)
         finally:
             self.signals.__exit__(exc_type, exc, tb)
             self.signals.doing = None  # the bound method's cycle would keep the lock after the run returns
+        if exc is not None and out_of_memory(exc):
+            c = self.cfg
+            saved = (f"{self.ckpt_path} (the last checkpoint) is whole" if os.path.exists(self.ckpt_path)
+                     else "no checkpoint was written")
+            raise SystemExit(f"out of memory on {self.env.dev} during {doing}: batch_size {c.batch_size} × block_size "
+                             f"{c.block_size} does not fit. Lower --batch_size and raise --gradient_accumulation_steps as "
+                             f"much (the same tokens a step; a new run: resume keeps its batch), or lower --block_size "
+                             f"or the model; {saved}") from None
 
     def doing(self):
         """What the run is doing, for the first signal's line (StopSignal)."""

@@ -702,3 +702,34 @@ def test_a_compiled_run_compiles_each_version_of_the_forward_once_and_stays_comp
     for name, tensor in uncompiled.state_dict().items():
         torch.testing.assert_close(compiled.state_dict()[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize('error', [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried "
+                 "to allocate 128000000000 bytes. Error code 12 (Cannot allocate memory)"),  # --batch_size=100000, tried
+    torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 64.00 GiB.'),
+])
+def test_a_step_that_does_not_fit_in_memory_ends_in_one_line_naming_the_keys(toy_data, tmp_path, monkeypatch, error):
+    """A batch too large for the device ended train.py in the allocator's traceback; now in one line that
+    says what did not fit and what to change, with the checkpoints already written whole. Any other error
+    keeps its traceback."""
+    real, calls = train.train_step, []
+
+    def train_step(*args, **kwargs):  # a stand-in for the allocator: the step of iteration 5 does not fit
+        calls.append(args[6])
+        if args[6] == 5:
+            raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train, 'train_step', train_step)
+    out = tmp_path / 'run'
+    with pytest.raises(SystemExit) as e:
+        train.main(toy_args(toy_data, out))
+    assert str(e.value) == (
+        "out of memory on cpu during iteration 5: batch_size 4 × block_size 16 does not fit. Lower --batch_size and "
+        "raise --gradient_accumulation_steps as much (the same tokens a step; a new run: resume keeps its batch), or "
+        f"lower --block_size or the model; {out / 'ckpt.pt'} (the last checkpoint) is whole")
+    assert torch.load(out / 'ckpt.pt', weights_only=False)['iter_num'] == 4  # the evaluation at 4 wrote it
+    error = ValueError('something else')
+    with pytest.raises(ValueError, match='something else'):
+        train.main(toy_args(toy_data, tmp_path / 'other'))
