@@ -322,8 +322,9 @@ def fit_report(results_path, variant=FIT_VARIANT, targets=FIT_TARGETS):
             if f['full']:
                 gap, se = fit_at(fit, f['full'][1])
                 measured = next((p for p in f['points'] if p['tokens'] == f['full'][0]), None)
-                out.append(f"    at one full pass ({tokens(f['full'][0])}, x = {f['full'][1]:.1f}): {gap:+.2f} % ± {se:.2f} "
-                           f"(the seeds' standard error carried through the line)" +
+                spread = (f"± {se:.2f} (the seeds' standard error carried through the line)" if math.isfinite(se) else
+                          "(no standard error: a point of one seed)")
+                out.append(f"    at one full pass ({tokens(f['full'][0])}, x = {f['full'][1]:.1f}): {gap:+.2f} % {spread}" +
                            ('' if min(xs) <= f['full'][1] <= max(xs) else ' (an extrapolation)') +
                            (f"; measured there: {study.fmt_gap(measured['gaps'])}, " + miss(measured, gap, se)
                             if measured and name != 'line' else ''))
