@@ -898,17 +898,17 @@ PAPER_BAND = {'Internal-Taper': (0.7, 1.5), 'All-Taper': (0.8, 1.8)}
 
 def ladder_summary(cells, args):
     """The study's answer in one table: at each model size's longest budget whose baseline grid is done
-    (its best rate not '(so far)': a budget still running is reported in its part only), the baseline,
+    (its best rate not '(so far)'; a longer budget still running is reported in its part only; a size
+    with no budget done shows its longest), the baseline,
     Internal-Taper (with 'ema', the default, and 'end'), All-Taper ('ema' where its cells exist,
     else 'end') and DyT (SUMMARY_VARIANTS; each row names its calibration) at their best learning
     rate (rate_label), with seeds, the final val loss (mean ± sd), the paired gap to the baseline at
     its best rate with its 95 % interval (fmt_gap), and the paper's band beside it (PAPER_BAND)."""
     best = ladder_best(cells, args)
-    longest = {}
-    for size, budget in best:
-        done = 'baseline' in best[size, budget] and best[size, budget]['baseline'][2] != '(so far)'
-        if done and float(budget[:-1]) > float(longest.get(size, '0M')[:-1]):
-            longest[size] = budget
+    longest = {}  # size -> budget: the longest whose baseline grid is done, else the longest with a baseline
+    for size, budget in sorted((p for p in best if 'baseline' in best[p]),
+                               key=lambda p: (best[p]['baseline'][2] != '(so far)', float(p[1][:-1]))):
+        longest[size] = budget
     lines = ["| variant | calibration | model size · tokens of mix7 (read once) | lr | seeds | final val loss | "
              "vs baseline, paired: mean ± sd [95 % interval] | the paper (TinyStories) |",
              "|---|---|---|---|---|---|---|---|"]

@@ -614,6 +614,15 @@ def test_the_summary_table_gives_each_method_at_the_longest_budget_with_its_inte
         '+0.7 to +1.5 % |',  # 4.378 / 4.4 − 1
         '| All-Taper | ema | 0.4M params · 18M tokens | 0.016 (only rate run) | s1 | 4.3560 | -1.00 % (one seed: no interval) | '
         '+0.8 to +1.8 % |']  # 'ema' before 'end': 4.356 / 4.4 − 1; no DyT cells: no row
+    # a longer budget whose baseline grid still has a cell to run ('(so far)') stays out of the summary while a
+    # shorter one is done; once its grid is done, it replaces the shorter one
+    longer = {'baseline-1M-t18M-lr0.008-s1': dict(cells['baseline-1M-t9M-lr0.008-s1'], final_val_loss=3.9),
+              'internal_ema-1M-t18M-lr0.008-s1': dict(cells['internal_ema-1M-t9M-lr0.008-s1'], final_val_loss=3.91)}
+    args = {n: [] for n in [*cells, *longer, 'baseline-1M-t18M-lr0.004-s1']}  # the last: declared, not yet run
+    assert study.ladder_summary({**cells, **longer}, args).splitlines()[2:] == rows[2:]
+    del args['baseline-1M-t18M-lr0.004-s1']
+    assert '| baseline (RMSNorm) | — | 1M params · 18M tokens | 0.008 (only rate run) | s1 | 3.9000 |' in \
+        study.ladder_summary({**cells, **longer}, args)
 
 
 def test_the_readme_summary_regenerates_from_the_results_file(tmp_path):
