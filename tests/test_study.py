@@ -1008,6 +1008,13 @@ def test_gap_fits_reads_each_sizes_gaps_from_the_results_and_predicts_the_full_p
     assert '  line through 3M, 9M, 18M: ' in out and '  pre-stated line through 3M, 9M: ' in out
     assert f"{predicted:+.2f} % ± " in out and f"measured there: {study.fmt_gap([0.0, -0.1])}, " in out
     assert f"{-0.05 - predicted:+.2f} points from the prediction, " in out
+    # one seed at the full pass (as the first part-6 pair landed): the line through it has no standard error there
+    for name in ('baseline-1M-t18M-lr0.008-s2', 'internal_ema-1M-t18M-lr0.008-s2'):
+        del cells[name]
+    (tmp_path / 'results.json').write_text(json.dumps({'cells': cells}))
+    plot.main([f'--fit={tmp_path / "results.json"}'])
+    out = capsys.readouterr().out
+    assert '(no standard error: a point of one seed)' in out and 'nan' not in out
 
 
 def test_part_5s_derf_cells_run_on_dyts_grid_moved_up_where_its_edge_won_and_seeds_2_3_at_a_declared_best():
