@@ -520,11 +520,16 @@ def test_data_paths_do_not_depend_on_the_working_folder(tmp_path, monkeypatch):
     (b'', 'is not a readable checkpoint (truncated or corrupt)'),
     (os.urandom(4096), 'is not a readable checkpoint (truncated or corrupt)'),
     (None, 'is not a tapernorm checkpoint: it lacks model_args'),
+    ({'h.1.w': [1.0, float('nan')], 'h.2.w': [float('-inf')], 'h.3.w': [1.0]},
+     'its weights hold NaN or inf (h.1.w and 1 more): a model that diverged or an altered file'),
 ])
 def test_one_checkpoint_loader_with_one_line_errors(tmp_path, content, message):
     path = tmp_path / 'ckpt.pt'
     if content is None:
         torch.save({'model': {}}, path)
+    elif isinstance(content, dict):  # a state dict: name -> values
+        torch.save({'model': {k: torch.tensor(v) for k, v in content.items()} | {'n': torch.tensor([7])},
+                    'model_args': {}}, path)
     else:
         path.write_bytes(content)
     with pytest.raises(SystemExit) as e:
