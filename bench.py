@@ -55,7 +55,8 @@ import torch
 from baselines import NORM_FREE
 from benchkit import (calibrated_model, conditions, default_trials, interleaved, median_ratio_interval, print_conditions,
                       print_profile, random_tokens, sync, with_peak)
-from configurator import ConfigError, configure, defaults_of, keys_set, resolve_device, set_tf32, uses_tf32
+from configurator import (ConfigError, check_compiler, configure, defaults_of, keys_set, resolve_device, set_tf32,
+                          uses_tf32)
 from fold import CheckError, fold_model, max_logit_error, tensor_bytes
 from model import GPT, LADDER, GPTConfig, TaperScale, decode_n_tokens, decode_one_token, prefill, unfused
 from runs import load_model, out_of_memory
@@ -333,6 +334,8 @@ def main(argv):
     device_type = torch.device(dev).type
     if device_type == 'cuda':
         torch.cuda.set_device(dev)  # sync and memory statistics then refer to this device
+    if True in flags:
+        check_compiler(dev, '--compile=eager')  # before the eager rows
     cfg.trials = default_trials(cfg.trials, device_type)
     set_tf32(dev, 'float32')  # the gate's forwards: IEEE fp32, whatever ran before in the process
     B, P, N = cfg.batch_size, cfg.prompt_len, cfg.new_tokens

@@ -283,7 +283,7 @@ def main(cfg, arch, flags):
     env = setup(SimpleNamespace(device=cfg.device, dtype=cfg.dtype, backend='auto', compile=False))
     cfg.trials = default_trials(cfg.trials, env.device_type)
     if True in flags:
-        check_compiler(env.dev)
+        check_compiler(env.dev, '--compile=eager')
     B, T = cfg.batch_size, cfg.block_size
     print(f"bench: {cfg.size or 'custom'}'s shape {arch} | mode=train | {', '.join(VARIANT_CONFIGS)}")
     print(f"  device={env.dev} dtype={env.dtype} tf32={env.tf32} torch={torch.__version__} | batch_size={B} "

@@ -231,15 +231,24 @@ def configure(argv, module_globals, choices=None, validate=None):
     return SimpleNamespace(**cfg)
 
 
-def check_compiler(device):
-    """SystemExit with one line unless torch.compile works here (inductor needs a C++ compiler
-    on the CPU, Triton on CUDA): compiles a one-line function once, a second or two."""
+# what inductor, torch.compile's default backend, builds its kernels with on each kind of device
+COMPILER_NEEDS = {'cpu': "inductor builds C++ on the CPU: it needs a working C++ compiler (g++, clang++ or $CXX)",
+                  'cuda': "inductor builds Triton kernels on CUDA: it needs the triton package matching this torch"}
+
+
+def check_compiler(device, off='--compile=False'):
+    """SystemExit with one line unless torch.compile works on device (inductor needs a C++ compiler
+    on the CPU, Triton on CUDA): compiles a one-line function once, a second or two. Every script
+    that compiles calls it before its first model work, so that a machine without a compiler (a Mac
+    without Xcode's command-line tools) gets this line, not inductor's traceback minutes later.
+    off: the setting that runs without compiling, named in the message."""
     try:
         torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(2, device=device))
     except Exception as e:  # inductor raises many kinds; the first line of its message says which
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        need = COMPILER_NEEDS.get(torch.device(device).type, "inductor does not support this device in this torch")
         raise SystemExit(f"config error: torch.compile does not work on {device} here ({first[:200]}); "
-                         "a working C++ compiler (g++ or $CXX) is needed; --compile=False runs without it") from None
+                         f"{need}; {off} runs without it") from None
 
 
 def resolve_device(device, dtype='auto', local_rank=None):

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from configurator import ConfigError, configure, resolve_device, set_tf32
+from configurator import ConfigError, check_compiler, configure, resolve_device, set_tf32
 from data.common import decode, encode_prompt
 from model import unfused
 from runs import load_model
@@ -65,6 +65,8 @@ def main(argv):
     """Print num_samples continuations of the prompt; returns them as a list of strings."""
     cfg = configure(argv, globals(), validate=validate)
     dev, dt = resolve_device(cfg.device, cfg.dtype)
+    if cfg.compile:
+        check_compiler(dev)
     set_tf32(dev, dt)
     torch.manual_seed(cfg.seed)
 

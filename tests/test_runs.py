@@ -659,6 +659,32 @@ def test_compile_without_a_cxx_compiler_is_one_line():
     assert '--compile=False runs without it' in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+
+@pytest.mark.parametrize('script, args, off', [
+    ('train', ['--compile=True'], '--compile=False'),
+    ('sample', ['--ckpt=nowhere.pt', '--compile=True', '--device=cpu'], '--compile=False'),
+    ('bench', ['--size=1M', '--device=cpu', '--compile=both'], '--compile=eager'),
+    ('bench', ['--mode=train', '--size=1M', '--device=cpu', '--compile=compiled'], '--compile=eager'),
+])
+def test_every_script_that_compiles_checks_the_compiler_before_its_first_model(toy_data, tmp_path, monkeypatch,
+                                                                                script, args, off):
+    """A machine without a C++ compiler (a Mac without Xcode's tools) gets one line naming the setting that
+    runs without compiling, from each script before it builds a model: bench's eager rows included, which
+    would otherwise run first and end in inductor's traceback."""
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found in torch._inductor.config.cpp.cxx\n"
+                           "Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace")
+    monkeypatch.setattr(torch, 'compile', no_compiler)
+    module = __import__(script)
+    if script == 'train':
+        args = toy_args(toy_data, tmp_path / 'run') + args
+    with pytest.raises(SystemExit) as e:
+        module.main(args)
+    assert str(e.value) == ("config error: torch.compile does not work on cpu here (InvalidCxxCompiler: No working "
+                            "C++ compiler found in torch._inductor.config.cpp.cxx); inductor builds C++ on the CPU: it "
+                            f"needs a working C++ compiler (g++, clang++ or $CXX); {off} runs without it")
+    assert not (tmp_path / 'run').exists()
+
 @pytest.mark.parametrize('args, message', [
     (['config/cpu.py', 'config/tinystories_internal_taper.py'],
      'config/tinystories_internal_taper.py comes after the overlay config/cpu.py and would undo it'),
