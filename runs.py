@@ -762,21 +762,48 @@ def model_config(model_args, where='the checkpoint'):
     return GPTConfig(**model_args)
 
 
-def model_from_state_dict(state_dict, model_args):
-    """A model built from GPTConfig(**model_args) with state_dict loaded, in eval mode and
-    in the phase its buffers imply. SystemExit for model_args this code does not know (model_config)."""
-    model = GPT(model_config(model_args))
+def load_weights(model, state_dict, where='the checkpoint'):
+    """model.load_state_dict(state_dict), strict, the one place a checkpoint's weights enter a model.
+
+    Keys that torch.compile ('_orig_mod.') or DDP ('module.') put in front of a wrapped model's names
+    are removed first, as nanoGPT does (this repo saves the unwrapped model; a script edited to save
+    the wrapper still loads). SystemExit with one line when the weights do not fit the model that
+    model_args describe (keys missing or unexpected, other shapes), instead of load_state_dict's
+    page of names: a checkpoint of other code (nanoGPT's) or an altered one.
+    """
+    state_dict = dict(state_dict)
+    for prefix in ('_orig_mod.', 'module.', '_orig_mod.'):  # either wrapper over the other
+        torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state_dict, prefix)
+    expected = model.state_dict()
+    wrong = ([f"missing {k}" for k in expected if k not in state_dict]
+             + [f"unexpected {k}" for k in state_dict if k not in expected]
+             + [f"{k} is {tuple(state_dict[k].shape)}, not {tuple(t.shape)}" for k, t in expected.items()
+                if k in state_dict and state_dict[k].shape != t.shape])
+    if wrong:
+        more = f", and {len(wrong) - 2} more" if len(wrong) > 2 else ""
+        raise SystemExit(f"{where}: its weights do not fit the model its model_args describe ({'; '.join(wrong[:2])}"
+                         f"{more}): tapernorm loads the checkpoints its train.py and fold.py write (GPT-2's "
+                         "weights: train.py --init_from=gpt2)")
     model.load_state_dict(state_dict)
+
+
+def model_from_state_dict(state_dict, model_args, where='the checkpoint'):
+    """A model built from GPTConfig(**model_args) with state_dict loaded, in eval mode and
+    in the phase its buffers imply. SystemExit for model_args this code does not know (model_config)
+    or weights that do not fit them (load_weights)."""
+    model = GPT(model_config(model_args, where))
+    load_weights(model, state_dict, where)
     model.set_phase(implied_phase(model))
     return model.eval()
+
 
 def load_model(path, device='cpu'):
     """Load a train.py or fold.py checkpoint for inference: returns (model on device, in eval mode,
     in the phase its buffers imply, the checkpoint dict with its tensors on the CPU). Errors as
-    load_checkpoint; the file is read on the CPU, so that a device's own error (no such GPU, out of
-    memory) comes from .to(device) as itself, not as "not a readable checkpoint"."""
+    load_checkpoint and model_from_state_dict; the file is read on the CPU, so that a device's own error
+    (no such GPU, out of memory) comes from .to(device) as itself, not as "not a readable checkpoint"."""
     ckpt = load_checkpoint(path)
-    return model_from_state_dict(ckpt['model'], ckpt['model_args']).to(device), ckpt
+    return model_from_state_dict(ckpt['model'], ckpt['model_args'], path).to(device), ckpt
 
 
 # ---- the run: everything around train.py's loop, and what a signal does at each point of it ----

@@ -45,7 +45,8 @@ from configurator import (ConfigError, changed_keys, check_compiler, config_file
 from gpt2 import GPT2_MODELS, PRETRAINED_SHAPE, PretrainedError, from_pretrained, pretrained_args
 from model import GPT, GPTConfig, branch_mismatch
 from runs import (Run, Stopped, batch_rng, check_same_data, compile_model, end_processes, final_losses, final_record,
-                  find_dataset, model_from_state_dict, resume_command, resume_config, setup, windows, wrap_ddp)
+                  find_dataset, load_weights, model_from_state_dict, resume_command, resume_config, setup, windows,
+                  wrap_ddp)
 
 # -----------------------------------------------------------------------------
 # data
@@ -310,7 +311,7 @@ def build_model(cfg, model_args, ckpt, env):
     if cfg.init_from in ('scratch', 'resume'):
         model = GPT(GPTConfig(**model_args))
         if ckpt is not None:
-            model.load_state_dict(ckpt['model'])
+            load_weights(model, ckpt['model'], os.path.join(cfg.out_dir, 'ckpt.pt'))
     else:
         try:
             model = from_pretrained(cfg.init_from, model_args)
@@ -527,7 +528,7 @@ def finished_run(cfg, env, ckpt):
               f"{final_record(cfg.out_dir)['final_val_loss']:.4f}): nothing to train or evaluate; a longer run "
               "is a new run")
     end_processes(env)
-    return model_from_state_dict(ckpt['model'], ckpt['model_args'])
+    return model_from_state_dict(ckpt['model'], ckpt['model_args'], os.path.join(cfg.out_dir, 'ckpt.pt'))
 
 
 def main(argv):

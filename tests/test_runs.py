@@ -541,6 +541,47 @@ def test_one_checkpoint_loader_with_one_line_errors(tmp_path, content, message):
         train.main([f'--out_dir={tmp_path}', '--init_from=resume'])
 
 
+
+def test_weights_saved_from_a_wrapped_model_load_and_weights_of_another_model_are_one_line(toy_data, tmp_path):
+    """A state dict saved through torch.compile's or DDP's wrapper ('_orig_mod.', 'module.' before every
+    name, either over the other) loads as the bare one; weights that do not fit model_args (another
+    code's checkpoint) are one line naming the first two misfits and how many more, in every script."""
+    out = tmp_path / 'run'
+    train.main(toy_args(toy_data, out, max_iters=12))
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+    bare, _ = load_model(str(out / 'ckpt.pt'))
+    idx = torch.tensor([[1, 2, 3, 4]])
+    for prefix in ('_orig_mod.', 'module.', 'module._orig_mod.', '_orig_mod.module.'):
+        torch.save({**ckpt, 'model': {prefix + k: v for k, v in ckpt['model'].items()}}, tmp_path / 'wrapped.pt')
+        wrapped, _ = load_model(str(tmp_path / 'wrapped.pt'))
+        assert torch.equal(wrapped(idx)[0], bare(idx)[0]), prefix
+
+    sd = dict(ckpt['model'])
+    sd['transformer.h.0.ln_1.bias'] = torch.zeros(32)                          # unexpected
+    del sd['transformer.h.1.mlp.c_fc.bias']                                    # missing
+    sd['transformer.wpe.weight'] = torch.zeros(99, 32)                         # another shape
+    torch.save({**ckpt, 'model': sd}, out / 'ckpt.pt')
+    want = (f"{out / 'ckpt.pt'}: its weights do not fit the model its model_args describe (missing "
+            "transformer.h.1.mlp.c_fc.bias; unexpected transformer.h.0.ln_1.bias, and 1 more): tapernorm loads the "
+            "checkpoints its train.py and fold.py write (GPT-2's weights: train.py --init_from=gpt2)")
+    log = out / 'log.jsonl'
+    unfinished = ''.join(line for line in log.read_text().splitlines(True) if 'final_val_loss' not in line)
+    resume = lambda: train.main([f'--out_dir={out}', '--init_from=resume'])
+
+    def resume_unfinished():  # a run to continue, not a finished one to report
+        log.write_text(unfinished)
+        resume()
+    for load in (lambda: load_model(str(out / 'ckpt.pt')), resume, resume_unfinished):
+        with pytest.raises(SystemExit) as e:
+            load()
+        assert str(e.value) == want
+    del sd['transformer.h.0.ln_1.bias'], sd['transformer.wpe.weight']
+    sd['transformer.h.1.mlp.c_fc.bias'] = ckpt['model']['transformer.h.1.mlp.c_fc.bias']
+    sd['transformer.wpe.weight'] = torch.zeros(99, 32)
+    torch.save({**ckpt, 'model': sd}, out / 'ckpt.pt')
+    with pytest.raises(SystemExit, match=r"\(transformer.wpe.weight is \(99, 32\), not \(16, 32\)\): "):
+        load_model(str(out / 'ckpt.pt'))
+
 def test_a_full_disk_during_a_checkpoint_says_so_in_one_line_and_keeps_the_old_one(tmp_path, monkeypatch):
     """A write that runs out of room (a stand-in raising ENOSPC mid-file; torch.save itself then
     reports 'unexpected pos') is one line saying the folder's filesystem is full and that an atomic
