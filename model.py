@@ -710,7 +710,7 @@ class GPT(nn.Module):
         rest = decode_n_tokens(self, tok, torch.tensor([T0], device=idx.device), max_new_tokens - 1, *sampling)
         return torch.cat([idx, tok, *rest], dim=1)
 
-@torch.no_grad()
+
 # ---- the GPT's plumbing: weights at init, the warmup statistics' buffers ---------------------
 
 def init_weights(module):  # GPT-2's: weights N(0, 0.02²), biases 0
