@@ -256,5 +256,6 @@ def main(argv):
     print(f"wrote {cfg.out}")
     return dict(max_abs_logit_diff=diff, max_abs_logit=scale, params=(p0, p1), bytes=(b0, b1))
 
+
 if __name__ == '__main__':
     main(sys.argv[1:])
