@@ -246,7 +246,7 @@ def check_compiler(device, off='--compile=False'):
         torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(2, device=device))
     except Exception as e:  # inductor raises many kinds; the first line of its message says which
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        need = COMPILER_NEEDS.get(torch.device(device).type, "inductor does not support this device in this torch")
+        need = COMPILER_NEEDS.get(torch.device(device).type, "inductor could not build kernels for it with this torch")
         raise SystemExit(f"config error: torch.compile does not work on {device} here ({first[:200]}); "
                          f"{need}; {off} runs without it") from None
 

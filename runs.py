@@ -715,9 +715,10 @@ CONFIG_ABSENT_MEANS = {**ABSENT_MEANS, 'calibration': 'ema'}
 
 def load_checkpoint(path, device='cpu'):
     """The dict that train.py or fold.py saved at path, tensors on device (weights_only: no
-    code runs). The one loader every script uses; SystemExit with one line that says what is
-    wrong: no file (a run folder names its ckpt.pt), not a readable checkpoint, missing keys,
-    NaN or inf in the weights, model_args keys this code does not know (model_config).
+    code runs). The one loader every script uses: the weights' names lose the prefixes a compiled or
+    DDP-wrapped model adds. SystemExit with one line that says what is wrong: no file (a run folder
+    names its ckpt.pt), not a readable checkpoint, missing keys, NaN or inf in the weights,
+    model_args keys this code does not know (model_config).
     """
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, 'ckpt.pt')):
         raise SystemExit(f"{path} is a run folder: pass its checkpoint, {os.path.join(path, 'ckpt.pt')}")
@@ -731,14 +732,18 @@ def load_checkpoint(path, device='cpu'):
     missing = [k for k in CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise SystemExit(f"{path} is not a tapernorm checkpoint: it lacks {', '.join(missing)}")
-    # weights with NaN or inf (a diverged run's, an altered file) sample empty text and fail fold's check
-    # as if folding had a bug: refused here for every script. One pass over the weights: ~0.1 s at 124M
+    # names saved through torch.compile's ('_orig_mod.') or DDP's ('module.') wrapper, either over the other:
+    # this repo saves the bare model, but a script edited to save the wrapper still loads (nanoGPT does the same)
+    for prefix in ('_orig_mod.', 'module.', '_orig_mod.'):
+        torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(ckpt['model'], prefix)
+    # weights with NaN or inf sample empty text and fail fold's check as if folding had a bug: refused here
+    # for every script. One pass over the weights: ~0.1 s at 124M
     bad = [k for k, t in ckpt['model'].items()
            if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
         more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
-        raise SystemExit(f"{path}: its weights hold NaN or inf ({bad[0]}{more}): a model that diverged or an "
-                         "altered file, which no script can use; load an earlier checkpoint")
+        raise SystemExit(f"{path}: its weights hold NaN or inf ({bad[0]}{more}), which no script can use "
+                         "(train.py stops at a non-finite loss); use another copy, or train again")
     ckpt['model_args'] = {**ABSENT_MEANS, **ckpt['model_args']}  # an older checkpoint: what it meant
     model_config(ckpt['model_args'], path)
     return ckpt
@@ -763,17 +768,10 @@ def model_config(model_args, where='the checkpoint'):
 
 
 def load_weights(model, state_dict, where='the checkpoint'):
-    """model.load_state_dict(state_dict), strict, the one place a checkpoint's weights enter a model.
-
-    Keys that torch.compile ('_orig_mod.') or DDP ('module.') put in front of a wrapped model's names
-    are removed first, as nanoGPT does (this repo saves the unwrapped model; a script edited to save
-    the wrapper still loads). SystemExit with one line when the weights do not fit the model that
-    model_args describe (keys missing or unexpected, other shapes), instead of load_state_dict's
-    page of names: a checkpoint of other code (nanoGPT's) or an altered one.
-    """
-    state_dict = dict(state_dict)
-    for prefix in ('_orig_mod.', 'module.', '_orig_mod.'):  # either wrapper over the other
-        torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state_dict, prefix)
+    """model.load_state_dict(state_dict), strict: the one place a checkpoint's weights enter a model.
+    SystemExit with one line when the weights do not fit the model that model_args describe (keys
+    missing or unexpected, other shapes), instead of load_state_dict's page of names: a checkpoint
+    of other code (nanoGPT's) or an altered one."""
     expected = model.state_dict()
     wrong = ([f"missing {k}" for k in expected if k not in state_dict]
              + [f"unexpected {k}" for k in state_dict if k not in expected]

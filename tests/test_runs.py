@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import configurator
+import fold
 import runs
 import train
 from runs import load_checkpoint, load_model
@@ -521,7 +522,7 @@ def test_data_paths_do_not_depend_on_the_working_folder(tmp_path, monkeypatch):
     (os.urandom(4096), 'is not a readable checkpoint (truncated or corrupt)'),
     (None, 'is not a tapernorm checkpoint: it lacks model_args'),
     ({'h.1.w': [1.0, float('nan')], 'h.2.w': [float('-inf')], 'h.3.w': [1.0]},
-     'its weights hold NaN or inf (h.1.w and 1 more): a model that diverged or an altered file'),
+     'its weights hold NaN or inf (h.1.w and 1 more), which no script can use'),
 ])
 def test_one_checkpoint_loader_with_one_line_errors(tmp_path, content, message):
     path = tmp_path / 'ckpt.pt'
@@ -541,7 +542,6 @@ def test_one_checkpoint_loader_with_one_line_errors(tmp_path, content, message):
         train.main([f'--out_dir={tmp_path}', '--init_from=resume'])
 
 
-
 def test_weights_saved_from_a_wrapped_model_load_and_weights_of_another_model_are_one_line(toy_data, tmp_path):
     """A state dict saved through torch.compile's or DDP's wrapper ('_orig_mod.', 'module.' before every
     name, either over the other) loads as the bare one; weights that do not fit model_args (another
@@ -555,6 +555,8 @@ def test_weights_saved_from_a_wrapped_model_load_and_weights_of_another_model_ar
         torch.save({**ckpt, 'model': {prefix + k: v for k, v in ckpt['model'].items()}}, tmp_path / 'wrapped.pt')
         wrapped, _ = load_model(str(tmp_path / 'wrapped.pt'))
         assert torch.equal(wrapped(idx)[0], bare(idx)[0]), prefix
+    fold.main([f'--ckpt={tmp_path / "wrapped.pt"}', f'--out={tmp_path / "folded.pt"}'])  # fold reads the names too
+    assert torch.load(tmp_path / 'folded.pt', weights_only=True)['folded_norms']
 
     sd = dict(ckpt['model'])
     sd['transformer.h.0.ln_1.bias'] = torch.zeros(32)                          # unexpected
@@ -581,6 +583,7 @@ def test_weights_saved_from_a_wrapped_model_load_and_weights_of_another_model_ar
     torch.save({**ckpt, 'model': sd}, out / 'ckpt.pt')
     with pytest.raises(SystemExit, match=r"\(transformer.wpe.weight is \(99, 32\), not \(16, 32\)\): "):
         load_model(str(out / 'ckpt.pt'))
+
 
 def test_a_full_disk_during_a_checkpoint_says_so_in_one_line_and_keeps_the_old_one(tmp_path, monkeypatch):
     """A write that runs out of room (a stand-in raising ENOSPC mid-file; torch.save itself then
@@ -700,31 +703,32 @@ def test_compile_without_a_cxx_compiler_is_one_line():
     assert '--compile=False runs without it' in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
-
-@pytest.mark.parametrize('script, args, off', [
-    ('train', ['--compile=True'], '--compile=False'),
-    ('sample', ['--ckpt=nowhere.pt', '--compile=True', '--device=cpu'], '--compile=False'),
-    ('bench', ['--size=1M', '--device=cpu', '--compile=both'], '--compile=eager'),
-    ('bench', ['--mode=train', '--size=1M', '--device=cpu', '--compile=compiled'], '--compile=eager'),
+@pytest.mark.parametrize('script, args, off, builder', [
+    ('train', ['--compile=True'], '--compile=False', 'train.build_model'),
+    ('sample', ['--ckpt=nowhere.pt', '--compile=True', '--device=cpu'], '--compile=False', 'sample.load_model'),
+    ('bench', ['--size=1M', '--device=cpu', '--compile=both'], '--compile=eager', 'bench.build_variants'),
+    ('bench', ['--mode=train', '--size=1M', '--device=cpu', '--compile=compiled'], '--compile=eager',
+     'bench_train.build_rows'),
 ])
 def test_every_script_that_compiles_checks_the_compiler_before_its_first_model(toy_data, tmp_path, monkeypatch,
-                                                                                script, args, off):
+                                                                                script, args, off, builder):
     """A machine without a C++ compiler (a Mac without Xcode's tools) gets one line naming the setting that
-    runs without compiling, from each script before it builds a model: bench's eager rows included, which
-    would otherwise run first and end in inductor's traceback."""
+    runs without compiling, from each script before it builds a model (`builder`): bench's eager rows
+    included, which would otherwise run first and end in inductor's traceback."""
     def no_compiler(*args, **kwargs):
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found in torch._inductor.config.cpp.cxx\n"
                            "Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace")
     monkeypatch.setattr(torch, 'compile', no_compiler)
-    module = __import__(script)
+    owner, name = builder.split('.')
+    monkeypatch.setattr(__import__(owner), name, lambda *a, **k: pytest.fail(f'{builder} ran before the check'))
     if script == 'train':
         args = toy_args(toy_data, tmp_path / 'run') + args
     with pytest.raises(SystemExit) as e:
-        module.main(args)
+        __import__(script).main(args)
     assert str(e.value) == ("config error: torch.compile does not work on cpu here (InvalidCxxCompiler: No working "
                             "C++ compiler found in torch._inductor.config.cpp.cxx); inductor builds C++ on the CPU: it "
                             f"needs a working C++ compiler (g++, clang++ or $CXX); {off} runs without it")
-    assert not (tmp_path / 'run').exists()
+
 
 @pytest.mark.parametrize('args, message', [
     (['config/cpu.py', 'config/tinystories_internal_taper.py'],
