@@ -138,13 +138,24 @@ def check_overlay_order(args):
                               f"config/smoke.py): {' '.join(fixed)}")
 
 
+PROSE_KEYS = ('start',)  # text keys that are not paths: sample.py's prompt
+
+
+def home(key, value):
+    """value with a leading ~ or ~user expanded (os.path.expanduser), for a text key outside PROSE_KEYS.
+    The shell expands ~ only at the start of a word, never in --out_dir=~/runs, and a config file's
+    string is never expanded: taken as it is, such a path made a folder named '~' in the current one."""
+    return os.path.expanduser(value) if isinstance(value, str) and value[:1] == '~' and key not in PROSE_KEYS else value
+
+
 def parse_args(args, defaults, choices=None, fill=('out_dir',), origins=None):
     """defaults → config files → --key=value, in the order given; returns a new dict.
 
     choices: {key: allowed values} for keys that are choices rather than a type (e.g. compile:
     'auto', True, False). fill: string keys whose {key} placeholders are filled from the final
     values ('out-{dataset}-{taper}'). A value is read as a Python literal, or else kept as
-    text; a key whose default is a string always keeps the text (a prompt is never a literal).
+    text; a key whose default is a string always keeps the text (a prompt is never a literal),
+    with a leading ~ expanded to the home folder (`home`).
     origins: a dict to fill with {key: the argument that set it last}, as given ('config/cpu.py',
     '--max_iters=300'; a config file counts where it changed the value). Raises ConfigError
     naming the key or argument.
@@ -160,7 +171,7 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',), origins=None):
             if key not in cfg:
                 raise unknown_key(key, cfg, arg)
             if isinstance(defaults[key], str) and key not in choices:
-                value = text  # --start='"quoted"' keeps its quotes, --start=1984 is text
+                value = home(key, text)  # --start='"quoted"' keeps its quotes, --start=1984 is text
             else:
                 try:
                     value = ast.literal_eval(text)
@@ -188,7 +199,7 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',), origins=None):
                     continue
                 if key not in cfg:
                     raise unknown_key(key, cfg, f"config file {arg}")
-                value = check_type(key, value, defaults[key], arg, choices.get(key))
+                value = check_type(key, home(key, value), defaults[key], arg, choices.get(key))
                 if origins is not None and (type(value) is not type(cfg[key]) or value != cfg[key]):
                     origins[key] = arg
                 cfg[key] = value

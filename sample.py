@@ -12,6 +12,7 @@ greedy decoding; top_k=0 keeps every token. max_new_tokens=0 fills the checkpoin
 (block_size) after the prompt.
 """
 
+import os
 import sys
 
 import torch
@@ -41,7 +42,7 @@ def read_prompt(start):
     """The prompt text: `start` itself, or the contents of the file after 'FILE:'."""
     if not start.startswith('FILE:'):
         return start
-    path = start[len('FILE:'):]
+    path = os.path.expanduser(start[len('FILE:'):])  # FILE:~/prompt.txt: no shell expands it there
     try:
         with open(path, encoding='utf-8') as f:
             return f.read()

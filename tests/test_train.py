@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import runs
+import sample
 import train
 import configurator
 from model import GPT, GPTConfig, TaperNorm
@@ -207,6 +208,23 @@ def test_string_keys_keep_their_text():
     assert configurator.parse_args(['--start="quoted"'], defaults)['start'] == '"quoted"'  # a prompt is text
     with pytest.raises(SystemExit, match="compile=1: choose one of 'auto', True, False"):
         load_config(["--compile=1"])  # a choice: no fallback to the text
+
+
+def test_a_leading_tilde_in_a_path_is_the_home_folder_wherever_it_is_given(tmp_path, monkeypatch):
+    """--out_dir=~/runs reaches the script unexpanded (a shell expands ~ only at a word's start), and so
+    does a config file's '~/runs': both mean the home folder, not a folder named '~' in the current one.
+    A prompt (sample.py's --start) keeps its ~; its FILE: path expands."""
+    monkeypatch.setenv('HOME', str(tmp_path / 'home'))
+    home = str(tmp_path / 'home')
+    (tmp_path / 'cfg.py').write_text("data_dir = '~/data'\n")
+    cfg = configurator.parse_args([str(tmp_path / 'cfg.py'), '--out_dir=~/runs/{dataset}', '--start=~/not a path'],
+                                  {'out_dir': 'out', 'data_dir': '', 'dataset': 'austen', 'start': ''})
+    assert cfg == {'out_dir': f'{home}/runs/austen', 'data_dir': f'{home}/data', 'dataset': 'austen',
+                   'start': '~/not a path'}
+    os.makedirs(home)
+    with open(f'{home}/prompt.txt', 'w') as f:
+        f.write('It was')
+    assert sample.read_prompt('FILE:~/prompt.txt') == 'It was'
 
 
 def test_the_header_shows_every_key_changed_and_an_overlay_alone_says_which_base_it_changed(toy_data, tmp_path,
