@@ -65,13 +65,14 @@ def main(argv, name, repo, description):
     """Prepare data/NAME (or --out_dir) from the hub dataset `repo` or --input files; returns the meta dict."""
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", action="append", default=[],
+    parser.add_argument("--input", action="append", default=[], type=os.path.expanduser,
                         help="a local .jsonl / .parquet / .txt file (repeatable); default: stream from the hub")
     parser.add_argument("--max_tokens", type=int, default=MAX_TOKENS,
                         help=f"training tokens at most (default {MAX_TOKENS:,})")
     parser.add_argument("--val_tokens", type=int, default=VAL_TOKENS,
                         help=f"validation tokens at least (default {VAL_TOKENS:,}), taken first")
-    parser.add_argument("--out_dir", default=os.path.join(common.DATA_DIR, name), help="output folder")
+    parser.add_argument("--out_dir", type=os.path.expanduser, default=os.path.join(common.DATA_DIR, name),
+                        help="output folder")
     args = parser.parse_args(argv)
     for key in ("max_tokens", "val_tokens"):
         if getattr(args, key) < 1:

@@ -309,6 +309,21 @@ def test_tinystories_txt_splits_on_the_marker_and_picks_val_by_name(tmp_path, en
     assert meta["tokens"]["val"] == len(read_bin(tmp_path / "o" / "val.bin"))
 
 
+@pytest.mark.parametrize("script", ["text", "tinystories"])
+def test_a_leading_tilde_in_input_and_out_dir_is_the_home_folder(tmp_path, monkeypatch, script):
+    """--input=~/... and --out_dir=~/... reach argparse unexpanded (a shell expands ~ only at a word's
+    start): they mean the home folder, not a folder named '~' in the current one."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    if script == "text":
+        (tmp_path / "in.txt").write_text(make_corpus(300))
+    else:
+        write_tinystories_txt(tmp_path / "in.txt", stories(300))
+    prepare = text_prepare if script == "text" else ts_prepare
+    meta = prepare.main(["--input=~/in.txt", "--vocab_size=0", "--out_dir=~/out"])
+    assert meta == common.load_meta(tmp_path / "out") and meta["sources"] == [str(tmp_path / "in.txt")]
+    assert not (tmp_path / "~").exists()
+
 def test_tinystories_without_val_file_uses_the_last_1_percent(tmp_path):
     items = stories(300)
     f = write_tinystories_txt(tmp_path / "train.txt", items)

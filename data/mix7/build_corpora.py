@@ -220,7 +220,7 @@ def build(name, work):
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out_dir", default=os.path.join(REPO, "data", "downloads", "mix7"),
+    parser.add_argument("--out_dir", type=os.path.expanduser, default=os.path.join(REPO, "data", "downloads", "mix7"),
                         help="output folder (default: data/downloads/mix7/)")
     out_dir = parser.parse_args().out_dir
     os.makedirs(out_dir, exist_ok=True)

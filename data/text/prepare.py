@@ -155,12 +155,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--name", help="dataset name; output goes to data/NAME/")
-    parser.add_argument("--input", action="append", default=[],
+    parser.add_argument("--input", action="append", default=[], type=os.path.expanduser,
                         help="a text file (repeatable); default for a NAME in PUBLIC_CORPORA "
                              "(austen): download it")
     parser.add_argument("--vocab_size", type=int, default=common.DEFAULT_VOCAB_SIZE,
                         help="compact vocabulary size incl. <unk>; 0 = full GPT-2 (50257)")
-    parser.add_argument("--out_dir", help="output folder (default: data/NAME/)")
+    parser.add_argument("--out_dir", type=os.path.expanduser, help="output folder (default: data/NAME/)")
     args = parser.parse_args(argv)
 
     if args.input:
