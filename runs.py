@@ -11,7 +11,6 @@ docs/runs.md.
 import atexit
 import dataclasses
 import datetime
-import errno
 import functools
 import json
 import os
@@ -35,6 +34,7 @@ except ImportError:
     fcntl = None
 
 from configurator import ConfigError, parse_args, resolve_device, set_tf32
+from data.common import disk_full
 from model import ABSENT_MEANS, GPT, GPTConfig, implied_phase
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -692,11 +692,7 @@ def save_checkpoint(obj, path):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except Exception as e:
-        # torch.save reports a failed write as 'unexpected pos A vs B'; the OSError is its context
-        cause = e
-        while cause is not None and getattr(cause, 'errno', None) not in (errno.ENOSPC, errno.EDQUOT):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
+        if (cause := disk_full(e)) is None:
             raise
         folder = os.path.dirname(os.path.abspath(path))
         raise SystemExit(f"the filesystem of {folder} is full ({cause.strerror}) writing {os.path.basename(path)}: "

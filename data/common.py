@@ -23,6 +23,7 @@ vocab_size = 0 keeps the full GPT-2 vocabulary (50257 ids, identity mapping, unk
 """
 
 import contextlib
+import errno
 import itertools
 import json
 import multiprocessing
@@ -350,19 +351,35 @@ def _remap(segments, lut, unk_id, out_path):
     return n, n_unk
 
 
+def disk_full(error):
+    """The OSError saying a filesystem is full (ENOSPC, or EDQUOT: a quota) behind error, following its
+    causes and contexts (torch.save, for one, reports a failed write as 'unexpected pos'), or None."""
+    while error is not None and getattr(error, "errno", None) not in (errno.ENOSPC, errno.EDQUOT):
+        error = error.__cause__ or error.__context__
+    return error
+
+
 @contextlib.contextmanager
 def scratch_files(out_dir, *names):
     """Create out_dir if needed and yield {name: path} of the pass-1 files NAME.gpt2.tmp in it.
 
     On exit, whether the block succeeded or raised, the pass-1 files are removed, and out_dir too
     if this call created it and it is still empty: a first run that fails (offline, a bad input)
-    leaves no empty data/<name>/ behind. A folder that existed before is always kept.
+    leaves no empty data/<name>/ behind. A folder that existed before is always kept. A full
+    filesystem is a SystemExit in one line (meta.json is then absent: the folder is not a dataset).
     """
     created = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     paths = {name: os.path.join(out_dir, f"{name}.gpt2.tmp") for name in names}
     try:
         yield paths
+    except Exception as e:
+        if (full := disk_full(e)) is None:
+            raise
+        # pass 1 writes 2 bytes a token in GPT-2 ids, pass 2 as much again in the dataset's ids
+        raise SystemExit(f"the filesystem of {os.path.abspath(out_dir)} is full ({full.strerror}) preparing the "
+                         "dataset, which needs about 4 bytes a token while it runs (2 in the end); free space "
+                         "there, or pass --out_dir on a disk with room") from None
     finally:
         for path in paths.values():
             if os.path.exists(path):

@@ -3,6 +3,7 @@
     python -m pytest tests/test_data.py -q
 """
 
+import errno
 import importlib.util
 import json
 import io
@@ -323,6 +324,38 @@ def test_a_leading_tilde_in_input_and_out_dir_is_the_home_folder(tmp_path, monke
     meta = prepare.main(["--input=~/in.txt", "--vocab_size=0", "--out_dir=~/out"])
     assert meta == common.load_meta(tmp_path / "out") and meta["sources"] == [str(tmp_path / "in.txt")]
     assert not (tmp_path / "~").exists()
+
+def test_a_full_disk_while_preparing_is_one_line_and_leaves_no_dataset_behind(tmp_path, monkeypatch):
+    """ENOSPC in pass 1 (a folder this call made is removed) or in pass 2 (over a prepared dataset: its
+    meta.json goes first, so the folder no longer reads as a dataset): one line, no temp file left."""
+    f = tmp_path / "in.txt"
+    f.write_text(make_corpus(300))
+    out = tmp_path / "out"
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    want = (f"the filesystem of {out} is full (No space left on device) preparing the dataset, which needs about 4 "
+            "bytes a token while it runs (2 in the end); free space there, or pass --out_dir on a disk with room")
+
+    def pass_1_fails(*args, **kwargs):
+        raise full
+    with monkeypatch.context() as m:
+        m.setattr(common, "encode_documents", pass_1_fails)
+        with pytest.raises(SystemExit) as e:
+            text_prepare.main([f"--input={f}", f"--out_dir={out}"])
+    assert str(e.value) == want and not out.exists()
+
+    text_prepare.main([f"--input={f}", f"--out_dir={out}"])
+    real_remap = common._remap
+
+    def val_fails(segments, lut, unk_id, path):
+        if path.endswith("val.bin"):
+            raise RuntimeError("write failed") from full  # as a library reports it: the OSError is the cause
+        return real_remap(segments, lut, unk_id, path)
+    monkeypatch.setattr(common, "_remap", val_fails)
+    with pytest.raises(SystemExit) as e:
+        text_prepare.main([f"--input={f}", f"--out_dir={out}"])
+    assert str(e.value) == want and sorted(os.listdir(out)) == ["train.bin", "val.bin"]  # no meta.json, no .tmp
+    with pytest.raises(SystemExit, match="meta.json not found: prepare the dataset first"):
+        common.load_meta(out)
 
 def test_tinystories_without_val_file_uses_the_last_1_percent(tmp_path):
     items = stories(300)
