@@ -199,9 +199,12 @@ def check_batch(ckpt_dict, batch_size, seed):
 
 
 def validate(cfg):
-    """configure()'s check: --ckpt and --out given, distinct, the folder of --out exists."""
+    """configure()'s check: --ckpt and --out given, distinct, --out a file name whose folder exists."""
     if not cfg['ckpt'] or not cfg['out']:
         raise ConfigError("usage: python fold.py --ckpt=OUT_DIR/ckpt.pt --out=FOLDED.pt")
+    if os.path.isdir(cfg['out']) or cfg['out'].endswith(('/', os.sep)):
+        raise ConfigError(f"--out={cfg['out']} names a folder: --out is the file to write, e.g. "
+                          f"--out={os.path.join(cfg['out'], 'folded.pt')}")
     if os.path.abspath(cfg['ckpt']) == os.path.abspath(cfg['out']):
         raise ConfigError("--out must differ from --ckpt: folding keeps the trained checkpoint")
     if not os.path.isdir(os.path.dirname(os.path.abspath(cfg['out']))):

@@ -506,6 +506,11 @@ def test_fold_writes_nothing_when_its_check_fails(trained, tmp_path, monkeypatch
     assert not out.exists()
     with pytest.raises(SystemExit, match='folder does not exist'):
         fold.main([f'--ckpt={trained}', f'--out={tmp_path / "no" / "such.pt"}'])
+    for folder in (str(tmp_path), f'{tmp_path / "new"}/'):  # was a traceback from os.replace, after the fold
+        with pytest.raises(SystemExit) as e:
+            fold.main([f'--ckpt={trained}', f'--out={folder}'])
+        assert str(e.value) == (f"config error: --out={folder} names a folder: --out is the file to write, e.g. "
+                                f"--out={os.path.join(folder, 'folded.pt')}")
 
 
 def test_unfused_needs_the_linear_phase():
