@@ -1021,7 +1021,8 @@ def test_part_5s_derf_cells_run_on_dyts_grid_moved_up_where_its_edge_won_and_see
     derf = {n for n in study.MATRICES['ladder'] if n.startswith('derf-')}
     assert derf == ({f'derf-1M-t9M-lr{lr:g}-s1' for lr in study.DYT_LRS['1M', '9M']} |
                     {f'derf-0.4M-t18M-lr{lr:g}-s1' for lr in (0.008, 0.016, 0.032)} |  # 1.6e-2 beat 8e-3
-                    {f'derf-{size}-t{budget}-lr{lr:g}-s{s}' for (size, budget), lr in study.DERF_BEST.items() for s in (2, 3)})
+                    {f'derf-{size}-t{budget}-lr{lr:g}-s{s}' for (size, budget), lr in study.DERF_BEST.items() for s in (2, 3)} |
+                    {'derf-1M-t9M-lr0.004-s2', 'derf-1M-t9M-lr0.004-s3'})  # part 6's loose end: the rate below
     assert 'derf-1M-t9M-lr0.008-s3' in derf
     assert study.cell_config(study.MATRICES['ladder']['derf-1M-t9M-lr0.004-s1'])['norm'] == 'derf'
 
@@ -1035,4 +1036,9 @@ def test_part_5s_warmup_cells_differ_from_the_ladders_only_in_the_gate_warmup():
         mine, theirs = (study.cell_config(ladder[f'{name}-1M-t9M-lr0.008-s1']) for name in (f'{v}_w25', v))
         assert (mine['gate_warmup_iters'], mine['taper_iters'], theirs['gate_warmup_iters']) == (1125, 2250, 450)
         assert {k for k in mine if mine[k] != theirs[k]} == {'gate_warmup_iters'}
-    assert {n for n in ladder if '_w25-' in n} == {'internal_w25-1M-t9M-lr0.008-s1', 'internal_ema_w25-1M-t9M-lr0.008-s1'}
+    assert {n for n in ladder if '_w25-' in n} == {f'{v}_w25-1M-t9M-lr0.008-s{s}'
+                                                   for v in ('internal', 'internal_ema') for s in (1, 2, 3)}
+    for v in ('internal_w25', 'internal_ema_w25', 'derf'):  # part 6's seeds 2-3: only the seed differs
+        lr = 0.004 if v == 'derf' else 0.008
+        one, *more = (study.cell_config(ladder[f'{v}-1M-t9M-lr{lr:g}-s{s}']) for s in (1, 2, 3))
+        assert all({k for k in c if c[k] != one[k]} == {'seed'} for c in more) and [c['seed'] for c in more] == [2, 3]
