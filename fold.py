@@ -217,7 +217,7 @@ def unfinished(ck):
     run, it = ck.get('config') or {}, ck.get('iter_num')
     if it is None or 'max_iters' not in run or it >= run['max_iters']:
         return ''
-    return (f". Its run stopped at iteration {it} of {run['max_iters']}; finish it with: "
+    return (f". Its run stopped after {it} of its {run['max_iters']} iterations; finish it with: "
             f"{resume_command(run['out_dir'], ck.get('world', 1))}")
 
 

@@ -589,6 +589,6 @@ def test_fold_of_a_stopped_run_says_how_to_finish_it(trained, tmp_path):
         with pytest.raises(SystemExit) as e:
             fold.main([f'--ckpt={path}', f'--out={tmp_path / "folded.pt"}'])
         assert 'in the taper phase (g = 0.5)' in str(e.value.code)
-        finish = (f"Its run stopped at iteration 9 of 20; finish it with: python train.py --init_from=resume "
+        finish = (f"Its run stopped after 9 of its 20 iterations; finish it with: python train.py --init_from=resume "
                   f"--out_dir={trained.parent}")
         assert str(e.value.code).endswith(finish) if says else 'finish it' not in str(e.value.code)
