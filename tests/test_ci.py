@@ -6,6 +6,7 @@ import ast
 import importlib.util
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -14,6 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import bench
+import configurator
+import study
 import train
 from test_train import read_log
 
@@ -47,6 +51,14 @@ def mode_steps(mode):
     return [(n, int(s)) for n, s in re.findall(r'^step (\S+) (\d+) ', common, re.M) +
             re.findall(r'^\s+step (\S+) (\d+) ', branch, re.M)]
 
+
+def mode_commands(mode):
+    """[(step name, argv)] of the commands the mode's own steps run (continued lines joined, the
+    CPU pin "${pin[@]}" dropped): ['python3', 'bench.py', '--size=9M', ...]."""
+    cases = GPU.read_text().replace('\\\n', ' ').split('\ncase $mode in\n')[1]
+    branch = re.search(rf'^{mode}\)\n(.*?)^    ;;', cases, re.M | re.S).group(1)
+    return [(n, [w for w in shlex.split(rest) if w != '${pin[@]}'])
+            for n, rest in re.findall(r'^\s+step (\S+) \d+ (.*)$', branch, re.M)]
 
 def running(pid):
     """Whether process pid runs (a zombie, killed and not yet reaped, does not)."""
@@ -186,6 +198,20 @@ def third_party_imports(entries):
                     found.add(top)
     return found
 
+
+@pytest.mark.parametrize('mode', MODES)
+def test_each_modes_bench_and_study_commands_are_settings_the_script_accepts(mode):
+    """A flag or combination a script refuses would spend a lent GPU's step on a config error: every
+    `python3 bench.py ...` of the mode passes bench's own check (configure with bench.architecture),
+    every `python3 study.py ...` study's parse (its shell variables as text)."""
+    checked = 0
+    for _, argv in mode_commands(mode):
+        if argv[:2] == ['python3', 'bench.py']:
+            configurator.configure(argv[2:], vars(bench), choices=bench.CHOICES, validate=bench.architecture)
+        elif argv[:2] == ['python3', 'study.py']:
+            configurator.configure(argv[2:], study.DEFAULTS, choices={'matrix': tuple(study.MATRICES)})
+        checked += argv[1] in ('bench.py', 'study.py')
+    assert checked
 
 def test_the_environment_step_checks_every_module_the_steps_import():
     """NEEDS names exactly the modules, besides torch, that the steps' scripts import when they
