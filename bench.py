@@ -45,7 +45,6 @@ import copy
 import json
 import os
 import statistics
-import sys
 import time
 import types
 from functools import partial
@@ -56,7 +55,7 @@ from baselines import NORM_FREE
 from benchkit import (calibrated_model, conditions, default_trials, interleaved, median_ratio_interval, print_conditions,
                       print_profile, random_tokens, sync, with_peak)
 from configurator import (ConfigError, check_compiler, configure, defaults_of, keys_set, resolve_device, set_tf32,
-                          uses_tf32)
+                          run_command, uses_tf32)
 from fold import CheckError, fold_model, max_logit_error, tensor_bytes
 from model import GPT, LADDER, GPTConfig, TaperScale, decode_n_tokens, decode_one_token, prefill, unfused
 from runs import load_model, out_of_memory
@@ -439,4 +438,4 @@ def profile_step(models, compiled_steps, prompts, device_type):
 
 
 if __name__ == '__main__':
-    main(sys.argv[1:])
+    run_command(main)

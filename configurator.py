@@ -20,6 +20,7 @@ import ast
 import builtins
 import difflib
 import os
+import sys
 import traceback
 from types import ModuleType, SimpleNamespace
 
@@ -240,6 +241,18 @@ def configure(argv, module_globals, choices=None, validate=None):
     except ConfigError as e:
         raise SystemExit(f"config error: {e}{set_by(origins, e.keys)}")
     return SimpleNamespace(**cfg)
+
+
+def run_command(main):
+    """main(sys.argv[1:]), for an inference script's `if __name__ == '__main__'`. Its output piped into
+    a reader that stops early (`python sample.py ... | head`) ends it quietly with status 1, as
+    Python's documentation advises for EPIPE, not with a BrokenPipeError traceback."""
+    try:
+        main(sys.argv[1:])
+        sys.stdout.flush()  # the last buffered output is written here, inside the try
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's own flush at exit
+        raise SystemExit(1) from None
 
 
 # what inductor, torch.compile's default backend, builds its kernels with on each kind of device

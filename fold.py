@@ -28,13 +28,12 @@ than LOGIT_SLACK times the unfolded fp32 model's own error, plus LOGIT_FLOOR of 
 
 import copy
 import os
-import sys
 
 import numpy as np
 import torch
 
 from baselines import FAKELN_EVENTS, NORM_FREE
-from configurator import ConfigError, configure, resolve_device, set_tf32
+from configurator import ConfigError, configure, resolve_device, run_command, set_tf32
 from model import GPTConfig
 from runs import check_writable, load_model, model_from_state_dict, resume_command, save_checkpoint
 
@@ -261,4 +260,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-    main(sys.argv[1:])
+    run_command(main)

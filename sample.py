@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from configurator import ConfigError, check_compiler, configure, resolve_device, set_tf32
+from configurator import ConfigError, check_compiler, configure, resolve_device, run_command, set_tf32
 from data.common import decode, encode_prompt
 from model import unfused
 from runs import load_model
@@ -111,4 +111,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-    main(sys.argv[1:])
+    run_command(main)

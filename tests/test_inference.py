@@ -4,6 +4,8 @@ import ast
 import copy
 import errno
 import os
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -21,7 +23,7 @@ import train
 from model import (GPT, GPTConfig, TaperNorm, TaperScale, decode_n_tokens, decode_one_token, prefill, sample_next,
                    unfused)
 from runs import load_model, save_checkpoint
-from test_runs import read_only  # noqa: F401 (a fixture)
+from test_runs import ROOT, read_only  # noqa: F401 (a fixture)
 
 KINDS = ['rmsnorm', 'layernorm']
 TAPERS = ['internal', 'all']
@@ -435,6 +437,18 @@ def test_fold_and_sample_scripts_end_to_end(trained, tmp_path, capsys):
     assert every[0].startswith('the mat') and len(every[0]) > len('the mat')
     with pytest.raises(SystemExit, match='already folded'):
         fold.main([f'--ckpt={out}', f'--out={tmp_path / "twice.pt"}'])
+
+
+def test_samples_piped_into_a_reader_that_stops_early_end_quietly(trained):
+    """`python sample.py ... | head -1`: a reader that closes the pipe (here before the first write, so
+    the test does not race it) ends sample.py with status 1 and nothing on stderr, as Python's docs
+    advise for EPIPE (configurator.run_command), not a BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, 'sample.py', f'--ckpt={trained}', '--num_samples=2',
+                             '--max_new_tokens=4', '--device=cpu'], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and err == ''
 
 
 def test_sample_errors_name_the_fix(trained, tmp_path):
