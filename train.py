@@ -101,7 +101,7 @@ calib_batches = 8           # forward passes (batch_size × block_size tokens ea
 # evaluation and logging
 eval_interval = 500         # validation loss and a checkpoint every this many steps
 eval_iters = 50             # batches per validation estimate
-log_interval = 10           # a log.jsonl record every this many steps, and at each phase's first step
+log_interval = 10           # a log.jsonl record every this many steps
 # -----------------------------------------------------------------------------
 
 # ---- configuration ----------------------------------------------------------------------
@@ -592,8 +592,7 @@ def main(argv):
             stats = train_step(train_model, raw_model, optimizer, batches, cfg, env, it, run.stop_asked)
             if cfg.norm_removal == 'fakeln':
                 fakeln_step(raw_model)  # σ(h) of the norms not yet removed, into their windows
-            # a phase's first step is logged too (a function of it alone: a resumed run logs the same steps)
-            logged = it % cfg.log_interval == 0 or bool(record) or (it > 0 and get_phase(it - 1, *schedule) != phase)
+            logged = it % cfg.log_interval == 0 or bool(record)
             dt_s = run.step_took(it, t0, synchronize=logged)  # logged: step_ms includes the optimizer step
             if logged:
                 scale = raw_model.last_metrics.final_scale_rms
