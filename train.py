@@ -412,6 +412,21 @@ def get_phase(it, taper, gate_warmup_iters, taper_iters):
     return 'taper' if it < gate_warmup_iters + taper_iters else 'linear'
 
 
+PHASE_LINES = {'warmup': 'the gate warmup (not the learning rate\'s warmup_iters): g = 1, every norm normalizes',
+               'taper': 'g falls from 1 to 0 on a half cosine: each tapered norm is g · N(h) + (1 − g) · L(h)',
+               'linear': "g = 0: each tapered norm is its fixed linear map L(h) = c · h ⊙ γ̃, what fold.py folds"}
+
+
+def phase_line(it, cfg):
+    """The line train.py prints where a phase begins (or a run resumes in it): 'phase taper,
+    iterations 15-89: g falls ...' (docs/method.md §2); None for a baseline run (one phase)."""
+    phase = get_phase(it, cfg.taper, cfg.gate_warmup_iters, cfg.taper_iters)
+    if phase == 'baseline':
+        return None
+    end = {'warmup': cfg.gate_warmup_iters, 'taper': cfg.gate_warmup_iters + cfg.taper_iters}.get(phase, cfg.max_iters)
+    return f"phase {phase}, iterations {it}-{end - 1}: {PHASE_LINES[phase]}"
+
+
 def get_gate(it, taper, gate_warmup_iters, taper_iters):
     """g(it): 1 in warmup (and baseline), ½(1 + cos(π(it − W)/T)) in taper, 0 in linear."""
     phase = get_phase(it, taper, gate_warmup_iters, taper_iters)
@@ -576,6 +591,8 @@ def main(argv):
             phase, gate = get_phase(it, *schedule), get_gate(it, *schedule)
             lr = get_lr(it, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters)
             if train_model is None or phase != raw_model.phase:
+                if env.master and (line := phase_line(it, cfg)):
+                    print(line)
                 raw_model.set_phase(phase)  # the compiled model recompiles once, here
                 raw_model.set_collect('calibration' if phase == 'warmup' and cfg.calibration == 'ema' else None)
                 train_model = wrap_ddp(fwd_model, env)  # DDP must see the parameters this phase trains
