@@ -17,7 +17,7 @@ import os
 import statistics
 import sys
 
-from configurator import configure
+from configurator import ConfigError, configure
 
 # -----------------------------------------------------------------------------
 runs = ''                   # comma-separated out_dirs (each with a log.jsonl)
@@ -158,9 +158,7 @@ def ladder_plot(plt, results_path, out, title):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc='upper left', bbox_to_anchor=(1.01, 1))  # outside: DyT's points sit high
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=110)
-    print(f"wrote {out}")
+    save_figure(fig, out)
 
 
 # the gap figure's variants (TaperNorm with its default calibration, the norm-free baselines), named
@@ -435,9 +433,7 @@ def gap_plot(plt, results_path, out, title):
     axes[1].set_xlabel('tokens seen per non-embedding parameter (log axis; one budget\'s variants drawn slightly apart)')
     fig.suptitle(title or 'The gap against the budget per parameter (mix7, read once)', fontsize=10)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=110)
-    print(f"wrote {out}")
+    save_figure(fig, out)
 
 
 def shock_plot(plt, pairs, labels, out, title, steps, smooth):
@@ -474,13 +470,28 @@ def shock_plot(plt, pairs, labels, out, title, steps, smooth):
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    save_figure(fig, out)
+
+
+def check_out(out):
+    """ConfigError unless --out names an image file: a folder, or a name without a format suffix, made
+    matplotlib write OUT.png beside it while plot.py said it wrote OUT."""
+    if os.path.isdir(out) or out.endswith(('/', os.sep)):
+        raise ConfigError(f"--out={out} names a folder: --out is the image to write, e.g. "
+                          f"--out={os.path.join(out, 'plot.png')}")
+    if not os.path.splitext(out)[1]:
+        raise ConfigError(f"--out={out} has no format suffix: name the image with one, e.g. --out={out}.png")
+
+
+def save_figure(fig, out):
+    """fig to the image out (its folder made if needed), and the line saying so."""
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")
 
 
 def main(argv):
-    cfg = configure(argv, globals())
+    cfg = configure(argv, globals(), validate=lambda c: check_out(c['out']))
     if not cfg.runs and not cfg.ladder and not cfg.gap and not cfg.fit and not cfg.shock:
         raise SystemExit("config error: --runs=DIR[,DIR...] (or --ladder=study/results.json, --gap=study/results.json, "
                          "--fit=study/results.json or --shock=BASELINE:RUN[,...]) is required")
@@ -550,9 +561,7 @@ def main(argv):
     if cfg.title:
         fig.suptitle(cfg.title)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
-    fig.savefig(cfg.out, dpi=110)
-    print(f"wrote {cfg.out}")
+    save_figure(fig, cfg.out)
 
 
 if __name__ == '__main__':

@@ -116,6 +116,12 @@ def test_plot_draws_the_runs_of_a_study(tiny_matrix, tmp_path):
     assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 10_000
     with pytest.raises(SystemExit, match='log.jsonl not found'):
         plot.main([f'--runs={tmp_path}/none', f'--out={png}'])
+    for bad, says in ((tmp_path, f'names a folder: --out is the image to write, e.g. --out={tmp_path}/plot.png'),
+                      (tmp_path / 'p', f'has no format suffix: name the image with one, e.g. --out={tmp_path}/p.png')):
+        with pytest.raises(SystemExit) as e:  # matplotlib wrote BAD.png while plot.py said it wrote BAD
+            plot.main([f'--runs={out}/baseline-end-s1', f'--out={bad}'])
+        assert str(e.value) == f'config error: --out={bad} {says}'
+    assert not (tmp_path / 'p').exists() and not os.path.exists(f'{tmp_path}.png')
     # a window of the first steps (a spike, drawn whole with ce_span=0)
     assert [r['iter'] for r in plot.read_run(out / 'all-end-s1', 5)[0]] == [0, 1, 2, 3, 4, 5]
     plot.main([f'--runs={out}/all-end-s1', f'--out={png}', '--max_iter=6', '--ce_span=0', '--smooth=1'])
