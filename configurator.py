@@ -139,7 +139,7 @@ def check_overlay_order(args):
                               f"config/smoke.py): {' '.join(fixed)}")
 
 
-PROSE_KEYS = ('start',)  # text keys that are not paths: sample.py's prompt
+PROSE_KEYS = ('start', 'title', 'labels')  # text keys that are not paths: sample.py's prompt, plot.py's words
 
 
 def home(key, value):

@@ -252,8 +252,8 @@ def main(argv):
           f"{names[0].removeprefix('transformer.')} .. {names[-1].removeprefix('transformer.')}")
     print(f"max |Δ logit| unfolded (g = 0) vs folded: {diff:.3e}  (max |logit| {scale:.2f}; "
           f"{tokens.numel():,} positions of {source})")
-    print(f"parameters {p0:,} -> {p1:,} ({p1 - p0:+,}; γ̃ included, which train.py's count leaves out) | "
-          f"bytes {b0:,} -> {b1:,} ({b1 - b0:+,})")
+    print(f"parameters {p0:,} -> {p1:,} ({p1 - p0:+,}; the first count includes γ̃ (and β̃), which train.py's "
+          f"header leaves out) | bytes {b0:,} -> {b1:,} ({b1 - b0:+,})")
     if GPTConfig(**args).untied_head():
         print("the LM head now has its own weight (untied from the token embedding)")
     print(f"wrote {cfg.out}")

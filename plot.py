@@ -491,7 +491,7 @@ def save_figure(fig, out):
 
 
 def main(argv):
-    cfg = configure(argv, globals(), validate=lambda c: check_out(c['out']))
+    cfg = configure(argv, globals(), validate=lambda c: c['fit'] or check_out(c['out']))  # --fit draws nothing
     if not cfg.runs and not cfg.ladder and not cfg.gap and not cfg.fit and not cfg.shock:
         raise SystemExit("config error: --runs=DIR[,DIR...] (or --ladder=study/results.json, --gap=study/results.json, "
                          "--fit=study/results.json or --shock=BASELINE:RUN[,...]) is required")
@@ -508,14 +508,14 @@ def main(argv):
     if cfg.gap:
         return gap_plot(plt, cfg.gap, cfg.out, cfg.title)
     if cfg.shock:
-        pairs = [p.split(':') for p in cfg.shock.split(',')]
+        pairs = [[os.path.expanduser(d) for d in p.split(':')] for p in cfg.shock.split(',')]  # ~ in each (home)
         if any(len(p) != 2 for p in pairs):
             raise SystemExit(f"config error: shock={cfg.shock!r}: give BASELINE_DIR:RUN_DIR pairs, comma-separated")
         labels = cfg.labels.split(',') if cfg.labels else [os.path.basename(r.rstrip('/')) for _, r in pairs]
         if len(labels) != len(pairs):
             raise SystemExit(f"config error: {len(labels)} labels for {len(pairs)} pairs")
         return shock_plot(plt, pairs, labels, cfg.out, cfg.title, cfg.shock_steps, cfg.smooth)
-    dirs = cfg.runs.split(',')
+    dirs = [os.path.expanduser(d) for d in cfg.runs.split(',')]  # configure expands a leading ~ only: here each
     names = cfg.labels.split(',') if cfg.labels else [os.path.basename(d.rstrip('/')) for d in dirs]
     if len(names) != len(dirs):
         raise SystemExit(f"config error: {len(names)} labels for {len(dirs)} runs")

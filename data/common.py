@@ -262,7 +262,7 @@ def encode_documents(docs, path, desc="encode", num_proc=NUM_PROC, batch_chars=B
         with open(path, "wb") as f, tqdm(desc=desc, unit="tok", unit_scale=True, total=max_tokens) as bar:
             for ids in results:
                 doc_ends.append(np.flatnonzero(ids == GPT2_EOT) + (n + 1))
-                ids.tofile(f)
+                f.write(memoryview(ids))  # not ids.tofile: on a full disk it raises an OSError without errno
                 n += len(ids)
                 bar.update(len(ids))
     finally:
@@ -342,7 +342,7 @@ def _remap(segments, lut, unk_id, out_path):
                 ids = lut[ids]
                 if unk_id is not None:
                     n_unk += int(np.count_nonzero(ids == unk_id))
-                ids.tofile(f)
+                f.write(memoryview(ids))  # as in encode_documents: a full disk is then ENOSPC
                 n += len(ids)
         os.replace(tmp, out_path)
     finally:
@@ -366,7 +366,8 @@ def scratch_files(out_dir, *names):
     On exit, whether the block succeeded or raised, the pass-1 files are removed, and out_dir too
     if this call created it and it is still empty: a first run that fails (offline, a bad input)
     leaves no empty data/<name>/ behind. A folder that existed before is always kept. A full
-    filesystem is a SystemExit in one line (meta.json is then absent: the folder is not a dataset).
+    filesystem is a SystemExit in one line: failing in pass 1, it leaves a dataset already there
+    whole; in pass 2, write_dataset has removed its meta.json, so the folder no longer reads as one.
     """
     created = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)

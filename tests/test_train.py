@@ -210,18 +210,24 @@ def test_string_keys_keep_their_text():
         load_config(["--compile=1"])  # a choice: no fallback to the text
 
 
-def test_the_printed_log_says_where_each_phase_begins_and_ends_and_log_jsonl_does_not(toy_data, tmp_path, capsys):
+def test_the_printed_log_says_where_each_phase_begins_and_ends_and_log_jsonl_does_not(toy_data, tmp_path, capsys,
+                                                                                         monkeypatch):
     """One line per phase, where it begins (W = 4, T = 6 of 16 steps: 0-3, 4-9, 10-15, worked by hand),
-    and again where a resumed run continues; log.jsonl holds the same records with or without them."""
+    and where a resumed run continues (at 8, inside the taper); log.jsonl holds no record for them."""
     out = tmp_path / 'run'
     train.main(toy_args(toy_data, out, max_iters=16, log_interval=100))
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('phase ')]
     assert [l.split(':')[0] for l in lines] == ['phase warmup, iterations 0-3', 'phase taper, iterations 4-9',
                                                 'phase linear, iterations 10-15']
     assert [r['iter'] for r in read_log(out) if 'loss' in r] == [0, 4, 8, 12]  # the evaluations' alone: not 10
-    assert train.phase_line(7, train.load_config(toy_args(toy_data, out))) == (
-        'phase taper, iterations 7-9: g falls from 1 to 0 on a half cosine: each tapered norm is '
-        'g · N(h) + (1 − g) · L(h)')  # a run resumed at 7
+    stopped = tmp_path / 'stopped'
+    interrupt_at(9, toy_args(toy_data, stopped, max_iters=16), monkeypatch)  # resumes at 8, its last checkpoint
+    capsys.readouterr()
+    train.main([f'--out_dir={stopped}', '--init_from=resume'])
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('phase ')]
+    assert lines == ['phase taper, iterations 8-9: g falls from 1 to 0 on a half cosine: each tapered norm is '
+                     'g · N(h) + (1 − g) · L(h)', 'phase linear, iterations 10-15: g = 0: each tapered norm is its '
+                     'fixed linear map L(h) = c · h ⊙ γ̃, what fold.py folds']
     assert train.phase_line(0, train.load_config(toy_args(toy_data, out, taper='none', aux_weight=0))) is None
 
 def test_a_leading_tilde_in_a_path_is_the_home_folder_wherever_it_is_given(tmp_path, monkeypatch):
@@ -231,10 +237,11 @@ def test_a_leading_tilde_in_a_path_is_the_home_folder_wherever_it_is_given(tmp_p
     monkeypatch.setenv('HOME', str(tmp_path / 'home'))
     home = str(tmp_path / 'home')
     (tmp_path / 'cfg.py').write_text("data_dir = '~/data'\n")
-    cfg = configurator.parse_args([str(tmp_path / 'cfg.py'), '--out_dir=~/runs/{dataset}', '--start=~/not a path'],
-                                  {'out_dir': 'out', 'data_dir': '', 'dataset': 'austen', 'start': ''})
+    cfg = configurator.parse_args([str(tmp_path / 'cfg.py'), '--out_dir=~/runs/{dataset}', '--start=~/not a path',
+                                   '--title=~ a title'],
+                                  {'out_dir': 'out', 'data_dir': '', 'dataset': 'austen', 'start': '', 'title': ''})
     assert cfg == {'out_dir': f'{home}/runs/austen', 'data_dir': f'{home}/data', 'dataset': 'austen',
-                   'start': '~/not a path'}
+                   'start': '~/not a path', 'title': '~ a title'}
     os.makedirs(home)
     with open(f'{home}/prompt.txt', 'w') as f:
         f.write('It was')
