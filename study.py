@@ -12,7 +12,10 @@ skipped; one with a ckpt.pt continues with --init_from=resume; one whose loss we
 is recorded as diverged (with its iteration) and never retried. After each cell, its summary
 goes into study_dir/results.json (with the git commit, torch version, thread count, device and
 dtype it ran with, and its wall time summed over every train.py run it took), written
-atomically: a stopped study loses nothing and the same command continues it. Two drivers may
+atomically: a stopped study loses nothing and the same command continues it. To stop one, send
+the driver SIGINT or SIGTERM (Ctrl-C, or kill PID, also when it runs in the background): it
+passes the signal once to each running train.py (each in a session of its own), which saves and
+says where it stopped, begins no other cell, and exits 130 or 143 (Stop). Two drivers may
 share a study_dir: each cell runs in the one that takes its lock first (CELL_LOCK), and the other
 skips it, saying it runs elsewhere. The tables of
 docs/results.md are printed by --table from that file (--readme=docs/results.md writes them
@@ -27,6 +30,7 @@ import json
 import math
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -494,13 +498,67 @@ def cpu_pins(isa):
 
 
 CELL_LOCK = '.driver.lock'  # in a cell's out_dir: held by the study.py driver that runs the cell
+# how a train.py run stopped by a signal exits: 130 / 143 after its stop line (runs.Run.stop, or a second
+# signal's line without saving), or killed by the signal itself before its handlers were in place
+SIGNAL_EXITS = {130: signal.SIGINT, 143: signal.SIGTERM, -signal.SIGINT: signal.SIGINT, -signal.SIGTERM: signal.SIGTERM}
 
 
-def run_cell(name, args, out_dir, results, threads, isa=''):
+def start_train(cmd, **kw):
+    """subprocess.Popen of a cell's train.py, in a session of its own: a signal to the driver's process
+    group (Ctrl-C, GNU timeout) reaches the run once, forwarded by Stop, never twice."""
+    return subprocess.Popen(cmd, start_new_session=True, **kw)
+
+
+class Stop:
+    """The driver's SIGINT / SIGTERM, while its cells run (a `with`; handlers in the main thread
+    only, where Python allows them). Whether the signal came to the process group (Ctrl-C) or to
+    the driver alone (kill PID), each running train.py gets it once: it finishes its step, saves
+    and stops (runs.Run's contract); a second signal, forwarded too, stops them at once without
+    saving. From the first signal on, no cell begins. Handlers set here replace inherited ones,
+    so a driver started in the background (where a shell ignores SIGINT) stops too."""
+
+    def __init__(self):
+        self.received, self.running, self.lock, self.previous = None, set(), threading.RLock(), {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self.previous.items():
+            signal.signal(s, h)
+
+    def handle(self, signum, frame):
+        first, self.received = self.received is None, self.received or signum
+        with self.lock:  # an RLock: a second signal can land while this handler holds it
+            procs = list(self.running)
+        runs.say(f"study.py: {signal.Signals(signum).name} passed to {len(procs)} running cell(s), which "
+                 + ("save and stop; no other cell begins (again: they stop at once, without saving)" if first
+                    else "stop at once, without saving"))  # os.write: the handler may interrupt a print
+        for proc in procs:
+            proc.send_signal(signum)
+
+    def run(self, cmd, **kw):
+        """start_train(cmd, **kw) to its end: its exit code, or None where a signal came first."""
+        with self.lock:
+            if self.received:
+                return None
+            proc = start_train(cmd, **kw)
+            self.running.add(proc)
+        try:
+            return proc.wait()
+        finally:
+            with self.lock:
+                self.running.discard(proc)
+
+def run_cell(name, args, out_dir, results, threads, isa='', stop=None):
     """Train one cell to its end (or its divergence) and record it, its wall time summed over every
-    train.py run it took (open_segment), its kernels pinned to isa (cpu_pins). Returns its status:
-    'finished', 'diverged', 'failed' or 'elsewhere': another driver holds the cell's CELL_LOCK (it
-    runs the cell now) and this one leaves the cell alone (its train.out, its wall-time account)."""
+    train.py run it took (open_segment), its kernels pinned to isa (cpu_pins), its train.py run through
+    stop (a Stop: None, one that never stops). Returns its status: 'finished', 'diverged', 'failed',
+    'stopped' (by a signal: its checkpoint resumes it), 'not begun' (the driver was stopping) or
+    'elsewhere': another driver holds the cell's CELL_LOCK (it runs the cell now) and this one leaves
+    the cell alone (its train.out, its wall-time account)."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, CELL_LOCK), 'a') as lock:
         try:
@@ -508,10 +566,10 @@ def run_cell(name, args, out_dir, results, threads, isa=''):
         except BlockingIOError:
             print(f"{name}: skipped, it runs elsewhere (another study.py holds {lock.name})", flush=True)
             return 'elsewhere'
-        return run_held_cell(name, args, out_dir, results, threads, isa, lock)
+        return run_held_cell(name, args, out_dir, results, threads, isa, lock, stop or Stop())
 
 
-def run_held_cell(name, args, out_dir, results, threads, isa, lock):
+def run_held_cell(name, args, out_dir, results, threads, isa, lock, stop):
     """run_cell's work once this driver holds the cell's lock (the open file lock: train.py inherits
     it, so a driver killed mid-run leaves the cell held until its train.py ends too)."""
     try:
@@ -523,6 +581,8 @@ def run_held_cell(name, args, out_dir, results, threads, isa, lock):
         status = 'finished'
     elif name in results.data['cells'] and results.data['cells'][name]['status'] == 'diverged':
         return 'diverged'
+    elif stop.received:
+        return 'not begun'
     else:
         resume = os.path.exists(os.path.join(out_dir, 'ckpt.pt'))
         cmd = [sys.executable, os.path.join(ROOT, 'train.py'), *args, f'--out_dir={out_dir}']
@@ -533,14 +593,22 @@ def run_held_cell(name, args, out_dir, results, threads, isa, lock):
         open_segment(out_dir)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), **cpu_pins(isa))
         with open(os.path.join(out_dir, 'train.out'), 'a') as out:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
-                                  pass_fds=(lock.fileno(),))
+            code = stop.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+                            pass_fds=(lock.fileno(),))
         wall = close_segment(out_dir)
+        if code is None:  # the signal came between the check above and the start
+            return 'not begun'
         with open(os.path.join(out_dir, 'train.out')) as f:
             tail = f.read()[-2000:]
-        if proc.returncode != 0:
+        if code in SIGNAL_EXITS:  # the driver's stop, forwarded (Stop), or a signal of the run's own
+            said = tail.rstrip().rsplit('\n', 1)[-1]
+            said = (said.split('; continue with:')[0] if said.startswith(('stopped by ', 'second '))
+                    else f"stopped by {SIGNAL_EXITS[code].name} while starting")
+            print(f"{name}: {said}; the same study.py command continues it", flush=True)
+            return 'stopped'
+        if code != 0:
             if 'non-finite loss' not in tail:
-                print(f"{name}: train.py failed (exit {proc.returncode}); see {out_dir}/train.out:\n{tail}",
+                print(f"{name}: train.py failed (exit {code}); see {out_dir}/train.out:\n{tail}",
                       flush=True)
                 return 'failed'
             it = int(tail.rsplit('at iteration ', 1)[1].split(';')[0])
@@ -1060,14 +1128,21 @@ def main(argv):
     os.makedirs(cfg.study_dir, exist_ok=True)
     results = Results(os.path.join(cfg.study_dir, 'results.json'))
     if cfg.run:
-        with ThreadPoolExecutor(max_workers=cfg.jobs) as pool:
-            statuses = list(pool.map(lambda n: run_cell(n, cells[n], os.path.abspath(os.path.join(cfg.study_dir, n)),
-                                                        results, cfg.threads, cfg.cpu_isa), cells))
-        if 'elsewhere' in statuses:
-            print(f"{statuses.count('elsewhere')} cell(s) skipped: another study.py runs them and records them in "
+        with Stop() as stop, ThreadPoolExecutor(max_workers=cfg.jobs) as pool:
+            status = dict(zip(cells, pool.map(lambda n: run_cell(n, cells[n], os.path.abspath(os.path.join(
+                cfg.study_dir, n)), results, cfg.threads, cfg.cpu_isa, stop), cells)))
+        if stop.received:
+            print(f"study.py stopped by {signal.Signals(stop.received).name}: each running cell said above "
+                  "where it stopped; the same command continues them", file=sys.stderr, flush=True)
+            raise SystemExit(128 + stop.received)
+        count = lambda s: sum(v == s for v in status.values())
+        if count('elsewhere'):
+            print(f"{count('elsewhere')} cell(s) skipped: another study.py runs them and records them in "
                   f"{results.path}", flush=True)
-        if 'failed' in statuses:
-            raise SystemExit(f"{statuses.count('failed')} cell(s) failed; fix and rerun the same command")
+        if count('failed') or count('stopped'):
+            raise SystemExit('; '.join([f"{count('failed')} cell(s) failed: fix them"] * bool(count('failed')) +
+                                       [f"{count('stopped')} cell(s) stopped by a signal, saved"] * bool(count('stopped')))
+                             + "; then rerun the same command")
     if cfg.table or cfg.readme:
         results.data = results.read()  # with what another driver has written meanwhile
         done = {n: results.data['cells'][n] for n in cells if n in results.data['cells']}

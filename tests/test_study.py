@@ -138,26 +138,60 @@ def test_two_drivers_sharing_a_results_file_keep_each_others_cells(tmp_path):
                                               'c-s1': {'status': 'finished'}}
 
 
-def fake_train(monkeypatch, hold=lambda out_dir: None):
-    """study.py's train.py runs replaced by a stand-in: a line in the cell's train.out, then hold(out_dir)
-    (a test's way to keep a run going), then a finished log. Returns the cells run, in order (each
-    named '... without its lock' where the run did not inherit the cell's lock)."""
-    ran, real = [], study.subprocess.run
+class Ran:
+    """What a stand-in train.py run gives study.Stop in place of a Popen: its exit code, and the signals
+    passed to it."""
 
-    def run(cmd, stdout=None, **kw):
-        if not cmd[1].endswith('train.py'):  # git rev-parse
-            return real(cmd, stdout=stdout, **kw)
+    def __init__(self, code, until_signalled=False):
+        self.code, self.signals, self.signalled = code, [], threading.Event()
+        if not until_signalled:
+            self.signalled.set()
+
+    def wait(self):
+        assert self.signalled.wait(60), "the driver's signal never reached the run"
+        return self.code
+
+    def send_signal(self, signum):
+        self.signals.append(signum)
+        self.signalled.set()
+
+
+class Started(list):
+    """fake_train's cells run, in order, with .procs: the Ran of each."""
+
+    def __init__(self):
+        super().__init__()
+        self.procs = []
+
+
+def fake_train(monkeypatch, hold=lambda out_dir: None, until_signalled=False):
+    """study.py's train.py runs replaced by a stand-in (study.start_train): a line in the cell's
+    train.out, then hold(out_dir) (a test's way to keep a run going), then a finished log, or where
+    hold returns an exit code, the stop line of a run stopped by a signal (runs.Run.stop) and that
+    code (until_signalled: once the driver has passed the run a signal). Returns the cells run, in
+    order (each named '... without its lock' where the run did not inherit the cell's lock), with
+    the Ran of each."""
+    ran = Started()
+    procs = ran.procs
+
+    def start(cmd, stdout=None, **kw):
         out_dir = Path(next(a for a in cmd if a.startswith('--out_dir=')).split('=', 1)[1])
         # train.py inherits the cell's lock: a driver killed mid-run leaves the cell held until train.py ends
         inherits = [os.fstat(fd).st_ino for fd in kw.get('pass_fds', ())] == [(out_dir / study.CELL_LOCK).stat().st_ino]
         ran.append(out_dir.name if inherits else f'{out_dir.name} without its lock')
         stdout.write(f"stand-in train.py run {len(ran)}{' --init_from=resume' * ('--init_from=resume' in cmd)}\n")
         stdout.flush()
-        hold(out_dir)
-        (out_dir / 'log.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in FINISHED_LOG))
-        return subprocess.CompletedProcess(cmd, 0)
+        code = hold(out_dir)
+        if code is not None:
+            name = {130: 'SIGINT', 143: 'SIGTERM'}[code]
+            stdout.write(f"stopped by {name} after iteration 3: saved in {out_dir}/ckpt.pt, which resumes at "
+                         f"iteration 4; continue with: python train.py --out_dir={out_dir} --init_from=resume\n")
+        else:
+            (out_dir / 'log.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in FINISHED_LOG))
+        procs.append(Ran(code or 0, until_signalled and code is not None))
+        return procs[-1]
 
-    monkeypatch.setattr(study.subprocess, 'run', run)
+    monkeypatch.setattr(study, 'start_train', start)
     return ran
 
 
@@ -179,7 +213,7 @@ def test_a_cells_log_cut_short_resumes_a_damaged_one_fails_only_its_cell_and_a_b
     (damaged / 'log.jsonl').write_text(lines[0] + lines[1][:20] + '\n' + lines[1])
     steps, _ = plot.read_run(torn)
     assert [r['iter'] for r in steps] == [0, 1] and study.read_log(torn) == FINISHED_LOG[:-1]
-    with pytest.raises(SystemExit, match=r'^1 cell\(s\) failed; fix and rerun the same command$'):
+    with pytest.raises(SystemExit, match=r'^1 cell\(s\) failed: fix them; then rerun the same command$'):
         study.main(['--matrix=tiny', f'--study_dir={out}', '--table=False', '--jobs=1'])
     said = capfd.readouterr()
     assert said.err.count(f"{torn / 'log.jsonl'}: its last line (3) is cut short") == 1  # once, however often read
@@ -200,6 +234,52 @@ def test_a_cells_log_cut_short_resumes_a_damaged_one_fails_only_its_cell_and_a_b
         study.main(['--matrix=tiny', f'--study_dir={out}', '--run=False'])
     with pytest.raises(SystemExit, match="is not a study's results file"):  # plot's reader is study's
         plot.best_points(out / 'results.json')
+
+
+def test_a_signal_stops_the_driver_in_one_line_once_its_cells_saved_and_begins_no_other(tiny_matrix, tmp_path,
+                                                                                         monkeypatch, capfd):
+    """Each cell's train.py runs in a session of its own, and the driver passes it its SIGINT or
+    SIGTERM once (Ctrl-C to the group, or kill PID alone), also where the shell that started the
+    driver in the background ignores SIGINT: the run saves and says where it stopped, the driver
+    repeats that line (not train.out's tail, as for a failure), begins no cell still queued, and
+    exits 128 + the signal in one line, without a traceback. A run stopped by a signal of its own
+    (143) is 'stopped', not 'failed', and the others go on."""
+    import signal
+    out = tmp_path / 'study'
+
+    def signal_the_driver(signum):
+        def hold(out_dir):
+            signal.pthread_kill(threading.main_thread().ident, signum)
+            return {signal.SIGINT: 130, signal.SIGTERM: 143}[signum]  # as the run does once it has the signal
+        return hold
+
+    inherited = signal.signal(signal.SIGINT, signal.SIG_IGN)  # `study.py ... &` in a script
+    try:
+        for signum, cell in ((signal.SIGINT, 'baseline-end-s1'), (signal.SIGTERM, 'baseline-end-s1')):
+            ran = fake_train(monkeypatch, signal_the_driver(signum), until_signalled=True)
+            with pytest.raises(SystemExit) as e:
+                study.main(['--matrix=tiny', f'--study_dir={out}', '--table=False', '--jobs=1'])
+            assert e.value.code == 128 + signum and ran == [cell]  # all-end-s1, queued, never began
+            assert [p.signals for p in ran.procs] == [[signum]]  # once
+            said = capfd.readouterr()
+            assert (f"{cell}: stopped by {signum.name} after iteration 3: saved in {out}/{cell}/ckpt.pt, which "
+                    f"resumes at iteration 4; the same study.py command continues it\n") in said.out
+            assert 'failed' not in said.out and 'stand-in' not in said.out  # no tail of train.out
+            assert said.err == (f"study.py: {signum.name} passed to 1 running cell(s), which save and stop; no other "
+                                "cell begins (again: they stop at once, without saving)\n"
+                                f"study.py stopped by {signum.name}: each running cell said above where it stopped; "
+                                "the same command continues them\n")
+            assert not (out / 'results.json').exists()  # a stopped cell is not recorded
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # the driver's handlers were for its run only
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+
+    ran = fake_train(monkeypatch, lambda out_dir: 143 if out_dir.name == 'baseline-end-s1' else None)
+    with pytest.raises(SystemExit, match=r"^1 cell\(s\) stopped by a signal, saved; then rerun the same command$"):
+        study.main(['--matrix=tiny', f'--study_dir={out}', '--table=False', '--jobs=2'])
+    assert sorted(ran) == ['all-end-s1', 'baseline-end-s1']
+    assert "baseline-end-s1: stopped by SIGTERM after iteration 3" in capfd.readouterr().out
+    assert set(json.loads((out / 'results.json').read_text())['cells']) == {'all-end-s1'}
 
 
 def test_a_second_driver_skips_the_cell_the_first_runs_and_leaves_its_account_and_output(tiny_matrix, tmp_path,
@@ -814,12 +894,12 @@ def test_the_shock_plot_takes_the_logged_loss_apart_into_cross_entropy_and_l_aux
 def test_cpu_isa_pins_every_cells_kernels_and_the_record_says_so(tiny_matrix, tmp_path, monkeypatch):
     """--cpu_isa=avx2: each cell's train.py runs with torch's, MKL's and oneDNN's kernels pinned to
     AVX2 (the environment variables those libraries read), and its record names the pins."""
-    envs, real_run = [], study.subprocess.run
-    monkeypatch.setattr(study.subprocess, 'run', lambda cmd, **kw: (envs.append(kw.get('env')), real_run(cmd, **kw))[1])
+    envs, real_start = [], study.start_train
+    monkeypatch.setattr(study, 'start_train', lambda cmd, **kw: (envs.append(kw.get('env')), real_start(cmd, **kw))[1])
     data = study.main(['--matrix=tiny', '--only=baseline-end-s1', f'--study_dir={tmp_path / "s"}', '--jobs=1',
                        '--cpu_isa=avx2', '--table=False'])
     pins = dict(ATEN_CPU_CAPABILITY='avx2', MKL_CBWR='AVX2', ONEDNN_MAX_CPU_ISA='AVX2')
-    (train_env,) = [e for e in envs if e is not None]  # git's rev-parse runs with the driver's own
+    (train_env,) = envs
     assert {k: train_env.get(k) for k in pins} == pins
     record = data['cells']['baseline-end-s1']
     assert record['cpu_capability'] == 'AVX2' and record['cpu_pins'] == pins
