@@ -149,6 +149,15 @@ def home(key, value):
     return os.path.expanduser(value) if isinstance(value, str) and value[:1] == '~' and key not in PROSE_KEYS else value
 
 
+def check_out_file(out, what, example):
+    """ConfigError if --out=out names a folder (one that exists, or a path ending in a separator):
+    the scripts' --out is a file (`what`, e.g. 'the image'), and writing it there failed late or
+    wrote beside it. The error's fix is os.path.join(out, example)."""
+    if os.path.isdir(out) or out.endswith(('/', os.sep)):
+        raise ConfigError(f"--out={out} names a folder: --out is {what} to write, e.g. "
+                          f"--out={os.path.join(out, example)}")
+
+
 def parse_args(args, defaults, choices=None, fill=('out_dir',), origins=None):
     """defaults → config files → --key=value, in the order given; returns a new dict.
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from baselines import FAKELN_EVENTS, NORM_FREE
-from configurator import ConfigError, configure, resolve_device, run_command, set_tf32
+from configurator import ConfigError, check_out_file, configure, resolve_device, run_command, set_tf32
 from model import GPTConfig
 from runs import check_writable, load_model, model_from_state_dict, resume_command, save_checkpoint
 
@@ -201,9 +201,7 @@ def validate(cfg):
     """configure()'s check: --ckpt and --out given, distinct, --out a file name whose folder exists."""
     if not cfg['ckpt'] or not cfg['out']:
         raise ConfigError("usage: python fold.py --ckpt=OUT_DIR/ckpt.pt --out=FOLDED.pt")
-    if os.path.isdir(cfg['out']) or cfg['out'].endswith(('/', os.sep)):
-        raise ConfigError(f"--out={cfg['out']} names a folder: --out is the file to write, e.g. "
-                          f"--out={os.path.join(cfg['out'], 'folded.pt')}")
+    check_out_file(cfg['out'], 'the file', 'folded.pt')
     if os.path.abspath(cfg['ckpt']) == os.path.abspath(cfg['out']):
         raise ConfigError("--out must differ from --ckpt: folding keeps the trained checkpoint")
     if not os.path.isdir(os.path.dirname(os.path.abspath(cfg['out']))):

@@ -17,7 +17,7 @@ import os
 import statistics
 import sys
 
-from configurator import ConfigError, configure
+from configurator import ConfigError, check_out_file, configure
 
 # -----------------------------------------------------------------------------
 runs = ''                   # comma-separated out_dirs (each with a log.jsonl)
@@ -476,9 +476,7 @@ def shock_plot(plt, pairs, labels, out, title, steps, smooth):
 def check_out(out):
     """ConfigError unless --out names an image file: a folder, or a name without a format suffix, made
     matplotlib write OUT.png beside it while plot.py said it wrote OUT."""
-    if os.path.isdir(out) or out.endswith(('/', os.sep)):
-        raise ConfigError(f"--out={out} names a folder: --out is the image to write, e.g. "
-                          f"--out={os.path.join(out, 'plot.png')}")
+    check_out_file(out, 'the image', 'plot.png')
     if not os.path.splitext(out)[1]:
         raise ConfigError(f"--out={out} has no format suffix: name the image with one, e.g. --out={out}.png")
 
