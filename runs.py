@@ -11,6 +11,7 @@ docs/runs.md.
 import atexit
 import dataclasses
 import datetime
+import errno
 import functools
 import json
 import os
@@ -533,8 +534,8 @@ def resume_command(out_dir, world):
 
 
 class Stopped(SystemExit):
-    """An end of the run that every rank reaches at the same point: Run.stop's (a signal, exit 130
-    for SIGINT, 143 for SIGTERM, where Run's contract says) or a non-finite loss (train.py: the
+    """An end of the run that every rank reaches at the same point: Run.stop's (a signal, exit
+    128 + its number, where Run's contract says) or a non-finite loss (train.py: the
     step's all-reduce shows it to every rank). Leaving the Run, the ranks end their processes
     together (end_processes), as at a finished run."""
 
@@ -547,19 +548,75 @@ class Cut(BaseException):
 
 def say(line):
     """line on stderr at once, from a signal handler too: os.write, so a handler that interrupts
-    a print (or a tqdm bar) never meets a buffered writer in use."""
-    os.write(2, (line + '\n').encode())
+    a print (or a tqdm bar) never meets a buffered writer in use. Lost where stderr's reader is gone."""
+    try:
+        os.write(2, (line + '\n').encode())
+    except OSError:  # EPIPE, EIO: nobody reads it any more, and the run's stop must go on
+        pass
+
+
+# the signals that stop a run: Ctrl-C, kill / `timeout` / a batch scheduler, and a closed terminal or
+# a dropped ssh session (SIGHUP; not where it is ignored: under nohup the run goes on)
+STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, 'SIGHUP', None)) if s is not None)
+# the stop recorded when the reader of the run's output ends (`| head`, the tee of a closed terminal):
+# Python ignores SIGPIPE itself, so the write fails (OutputGuard)
+OUTPUT_CLOSED = getattr(signal, 'SIGPIPE', signal.SIGTERM)
+
+
+def exit_code(signum):
+    """The exit status of a run stopped by signum, the shell's 128 + N: 130 SIGINT, 143 SIGTERM,
+    129 SIGHUP, 141 SIGPIPE (its output closed)."""
+    return 128 + signum
+
+
+class OutputGuard:
+    """sys.stdout or sys.stderr inside a StopSignal. A write that finds its reader gone (EPIPE: the
+    reader of a pipe ended; EIO: a terminal hung up) sends the stream's later output to os.devnull
+    and calls closed(), which stops the run as a signal does, instead of raising a BrokenPipeError
+    from whichever print met it and losing the steps since the last checkpoint."""
+
+    def __init__(self, stream, closed):
+        self.stream, self.closed = stream, closed
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except OSError as e:
+            self.lost(e)
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except OSError as e:
+            self.lost(e)
+
+    def lost(self, e):
+        if not isinstance(e, BrokenPipeError) and e.errno != errno.EIO:
+            raise e  # a full disk under a redirect, say: not a reader gone
+        try:  # the stream's buffer and the interpreter's flush at exit go nowhere, quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+        except (OSError, ValueError, AttributeError):  # a stream with no descriptor
+            pass
+        self.closed()
 
 
 class StopSignal:
-    """A context in which SIGINT / SIGTERM (Ctrl-C, `timeout`, a batch scheduler) stop the run.
+    """A context in which SIGINT, SIGTERM and SIGHUP (STOP_SIGNALS: Ctrl-C, `timeout`, a batch
+    scheduler, a closed terminal) stop the run, and so does the end of the reader of its output
+    (OUTPUT_CLOSED, recorded as SIGPIPE: OutputGuard guards sys.stdout and sys.stderr). A SIGHUP
+    ignored on entry (nohup) stays ignored.
 
     The first signal says at once, on stderr, what will happen: work run through `cut_short`
     (an evaluation, the final losses) is abandoned on the spot; anything else (`doing`: a
     training step, the calibrate event, a checkpoint being written) finishes, then the loop saves
-    and stops. `received` is that signal. A second signal ends the process at once without
-    saving (exit 130 / 143), in one line: out_dir/ckpt.pt keeps the last checkpoint written.
-    `talk`: whether this process prints (rank 0 under DDP). A run's stop is built on it (Run)."""
+    and stops (a closed output cuts nothing: the work it interrupted goes on). `received` is that
+    signal. A second signal ends the process at once without saving (exit_code: 130, 143, 129),
+    in one line: out_dir/ckpt.pt keeps the last checkpoint written. `talk`: whether this process
+    prints (rank 0 under DDP). A run's stop is built on it (Run)."""
 
     def __init__(self, talk=True, doing='the step in progress'):
         self.talk, self.received, self.previous = talk, None, {}
@@ -567,15 +624,27 @@ class StopSignal:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
-            self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+            self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS
+                             if s in (signal.SIGINT, signal.SIGTERM) or signal.getsignal(s) != signal.SIG_IGN}
+        self.streams = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = (OutputGuard(stream, self.output_closed) for stream in self.streams)
         return self
+
+    def output_closed(self):
+        """OutputGuard's call: the reader of stdout or stderr has ended; the run stops as at a signal."""
+        if self.received is None:
+            self.received = OUTPUT_CLOSED
+            if self.talk:
+                doing = self.doing() if callable(self.doing) else self.doing
+                say(f"the output's reader has ended (a broken pipe, a closed terminal): finishing {doing}, "
+                    f"then saving and stopping")
 
     def handle(self, signum, frame):
         name = signal.Signals(signum).name
         if self.received is not None:
             if self.talk:
                 say(f"second {name}: stopped at once, without saving; the run folder keeps its last checkpoint")
-            os._exit(130 if signum == signal.SIGINT else 143)  # no cleanup: nothing may delay it
+            os._exit(exit_code(signum))  # no cleanup: nothing may delay it
         self.received = signum
         if self.talk:
             doing = self.doing() if callable(self.doing) else self.doing
@@ -604,6 +673,7 @@ class StopSignal:
     def __exit__(self, *exc):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+        sys.stdout, sys.stderr = self.streams
 
 
 def out_of_memory(e):
@@ -805,8 +875,9 @@ def load_model(path, device='cpu'):
 class Run:
     """The plumbing of one train.py run, so that its loop shows only the method: the run folder
     (claimed: claim_out_dir), checkpoints (atomic: save_checkpoint), the log, the estimates
-    (Progress), evaluations when they are due, the end of the run, and what SIGINT (Ctrl-C) and
-    SIGTERM do at each point (a StopSignal), with every rank of a DDP run stopping together.
+    (Progress), evaluations when they are due, the end of the run, and what SIGINT (Ctrl-C),
+    SIGTERM, SIGHUP and a closed output do at each point (a StopSignal), with every rank of a DDP
+    run stopping together.
 
         with Run(cfg, env, folder, iter_num, state, hint) as run:
             while run.iter_num < cfg.max_iters:
@@ -828,7 +899,8 @@ class Run:
     The contract. The first signal prints one line at once (on stderr, rank 0) naming what the
     run finishes or cuts short; the run then writes the checkpoint of every finished step,
     prints one line with the iteration it resumes at and the command that resumes it, and exits
-    with 130 (SIGINT) or 143 (SIGTERM), on every rank, with no traceback (raising Stopped; under
+    with 128 + the signal (exit_code: 130 SIGINT, 143 SIGTERM, 129 SIGHUP, 141 when the output's
+    reader ended), on every rank, with no traceback (raising Stopped; under
     DDP the ranks end their processes together as they leave the context, as at a run's end).
     Where it lands:
     - before the loop (building, compiling: the context is entered): the first iteration begins
@@ -932,15 +1004,15 @@ class Run:
 
     def stop(self, when, resume_at, save=True):
         """After a signal: the checkpoint that resumes at resume_at (save=False: it is written
-        already), one line saying when the run stopped and how it continues, SystemExit 130
-        (SIGINT) or 143 (SIGTERM)."""
+        already), one line saying when the run stopped and how it continues, SystemExit with the
+        signal's exit_code (another rank's signal, under DDP: SIGTERM's)."""
         if save:
             self.save(resume_at)
+        signum = self.signals.received or signal.SIGTERM
         if self.env.master:
-            say(f"stopped by {signal.Signals(self.signals.received or signal.SIGTERM).name} {when}: saved in "
-                f"{self.ckpt_path}, which resumes at iteration {resume_at}; continue with: "
-                f"{resume_command(self.cfg.out_dir, self.env.world)}")
-        raise Stopped(130 if self.signals.received == signal.SIGINT else 143)
+            say(f"stopped by {signal.Signals(signum).name} {when}: saved in {self.ckpt_path}, which resumes at "
+                f"iteration {resume_at}; continue with: {resume_command(self.cfg.out_dir, self.env.world)}")
+        raise Stopped(exit_code(signum))
 
     def signalled(self):
         """Whether a signal has reached this process, or under DDP any rank: an all-reduce, made by
@@ -1034,4 +1106,4 @@ class Run:
             if env.master:
                 say(f"stopped by {signal.Signals(self.signals.received).name} after the final losses: the run in "
                     f"{cfg.out_dir} is complete")
-            raise Stopped(130 if self.signals.received == signal.SIGINT else 143)
+            raise Stopped(exit_code(self.signals.received))

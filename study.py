@@ -13,9 +13,9 @@ is recorded as diverged (with its iteration) and never retried. After each cell,
 goes into study_dir/results.json (with the git commit, torch version, thread count, device and
 dtype it ran with, and its wall time summed over every train.py run it took), written
 atomically: a stopped study loses nothing and the same command continues it. To stop one, send
-the driver SIGINT or SIGTERM (Ctrl-C, or kill PID, also when it runs in the background): it
+the driver SIGINT, SIGTERM or SIGHUP (Ctrl-C, kill PID also in the background, a closed terminal): it
 passes the signal once to each running train.py (each in a session of its own), which saves and
-says where it stopped, begins no other cell, and exits 130 or 143 (Stop). Two drivers may
+says where it stopped, begins no other cell, and exits 128 + the signal (Stop). Two drivers may
 share a study_dir: each cell runs in the one that takes its lock first (CELL_LOCK), and the other
 skips it, saying it runs elsewhere. The tables of
 docs/results.md are printed by --table from that file (--readme=docs/results.md writes them
@@ -498,9 +498,9 @@ def cpu_pins(isa):
 
 
 CELL_LOCK = '.driver.lock'  # in a cell's out_dir: held by the study.py driver that runs the cell
-# how a train.py run stopped by a signal exits: 130 / 143 after its stop line (runs.Run.stop, or a second
-# signal's line without saving), or killed by the signal itself before its handlers were in place
-SIGNAL_EXITS = {130: signal.SIGINT, 143: signal.SIGTERM, -signal.SIGINT: signal.SIGINT, -signal.SIGTERM: signal.SIGTERM}
+# how a train.py run stopped by a signal exits: runs.exit_code after its stop line (runs.Run.stop, or a
+# second signal's line without saving), or killed by the signal itself before its handlers were in place
+SIGNAL_EXITS = {code: s for s in runs.STOP_SIGNALS for code in (runs.exit_code(s), -s)}
 
 
 def start_train(cmd, **kw):
@@ -510,19 +510,21 @@ def start_train(cmd, **kw):
 
 
 class Stop:
-    """The driver's SIGINT / SIGTERM, while its cells run (a `with`; handlers in the main thread
-    only, where Python allows them). Whether the signal came to the process group (Ctrl-C) or to
-    the driver alone (kill PID), each running train.py gets it once: it finishes its step, saves
-    and stops (runs.Run's contract); a second signal, forwarded too, stops them at once without
-    saving. From the first signal on, no cell begins. Handlers set here replace inherited ones,
-    so a driver started in the background (where a shell ignores SIGINT) stops too."""
+    """The driver's SIGINT, SIGTERM and SIGHUP (runs.STOP_SIGNALS; SIGHUP unless ignored, as under
+    nohup), while its cells run (a `with`; handlers in the main thread only, where Python allows
+    them). Whether the signal came to the process group (Ctrl-C) or to the driver alone (kill
+    PID), each running train.py gets it once: it finishes its step, saves and stops (runs.Run's
+    contract); a second signal, forwarded too, stops them at once without saving. From the first
+    signal on, no cell begins. Handlers set here replace inherited ones, so a driver started in
+    the background (where a shell ignores SIGINT) stops too."""
 
     def __init__(self):
         self.received, self.running, self.lock, self.previous = None, set(), threading.RLock(), {}
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        if threading.current_thread() is threading.main_thread():  # SIGHUP too, as train.py, unless nohup's
+            self.previous = {s: signal.signal(s, self.handle) for s in runs.STOP_SIGNALS
+                             if s in (signal.SIGINT, signal.SIGTERM) or signal.getsignal(s) != signal.SIG_IGN}
         return self
 
     def __exit__(self, *exc):
@@ -1134,7 +1136,7 @@ def main(argv):
         if stop.received:
             print(f"study.py stopped by {signal.Signals(stop.received).name}: each running cell said above "
                   "where it stopped; the same command continues them", file=sys.stderr, flush=True)
-            raise SystemExit(128 + stop.received)
+            raise SystemExit(runs.exit_code(stop.received))
         count = lambda s: sum(v == s for v in status.values())
         if count('elsewhere'):
             print(f"{count('elsewhere')} cell(s) skipped: another study.py runs them and records them in "

@@ -249,6 +249,51 @@ def test_a_second_signal_ends_the_process_at_once_with_its_code_and_the_last_che
     assert checkpoint(tmp_path)['iter_num'] == 0 and not (tmp_path / 'run' / 'ckpt.pt.tmp').exists()
 
 
+def test_a_closed_terminal_sighup_stops_the_run_as_sigterm_does_unless_nohup_ignores_it(tmp_path, capfd):
+    err, saved = stops(tmp_path, capfd, 129, 'step', signum=signal.SIGHUP)
+    assert err[0].startswith('SIGHUP: finishing iteration 5, then saving and stopping')
+    assert err[1].startswith('stopped by SIGHUP after iteration 5: ') and saved == 6
+
+    ignored = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup leaves it
+    try:
+        (tmp_path / 'nohup').mkdir()
+        ran = loop(make_run(tmp_path / 'nohup'), 'step', signal.SIGHUP)
+        assert ('final', ITERS) in ran and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, ignored)
+
+
+@pytest.mark.parametrize('stderr', ['its own', 'the same pipe'])
+def test_when_the_reader_of_its_output_ends_the_run_saves_and_stops_as_at_a_signal(tmp_path, stderr):
+    """`python train.py ... | head`, or the tee of a dropped ssh session: the run's next print finds
+    a broken pipe. The iteration it was in finishes and is saved, the run says so on stderr where
+    that still has a reader, and exits 141 (SIGPIPE's), with no BrokenPipeError traceback; with
+    stderr on the same pipe (2>&1 |), quietly."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.join(ROOT, 'tests')!r}); sys.path.insert(0, {ROOT!r})
+        from pathlib import Path
+        import test_run_contract as t
+        print('ready', flush=True)
+        sys.stdin.read()  # until the test has closed the reading end of stdout
+        t.loop(t.make_run(Path({str(tmp_path)!r})))
+        """)
+    proc = subprocess.Popen([sys.executable, '-c', script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if stderr == 'the same pipe' else subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == 'ready\n'
+    proc.stdout.close()
+    proc.stdin.close()
+    said = proc.stderr.read() if proc.stderr else ''
+    assert proc.wait(120) == 141
+    if stderr == 'its own':
+        first, stopped = said.splitlines()
+        assert first == ("the output's reader has ended (a broken pipe, a closed terminal): finishing the evaluation "
+                         "at iteration 0, then saving and stopping")
+        assert stopped.startswith('stopped by SIGPIPE after iteration 0: ') and 'resumes at iteration 1' in stopped
+    assert checkpoint(tmp_path)['iter_num'] == 1
+    assert '"iter": 0' in logged(tmp_path)[-1]  # the log, a file, holds the iteration the pipe never showed
+
+
 def test_the_first_evaluations_line_is_printed_where_a_signal_cuts_it_short(tmp_path, capfd, monkeypatch):
     """A signal right after "evaluating at iteration 0" (what a user sees before pressing Ctrl-C)
     cuts that evaluation short, never 'finishes iteration 0' first."""
