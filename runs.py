@@ -689,8 +689,13 @@ def log(record, cfg, env, progress=''):
     ending with `progress` (Progress.status) when given."""
     if not env.master:
         return
-    with open(os.path.join(cfg.out_dir, 'log.jsonl'), 'a') as f:
-        f.write(json.dumps(record) + '\n')
+    path = os.path.join(cfg.out_dir, 'log.jsonl')
+    try:
+        with open(path, 'a') as f:
+            f.write(json.dumps(record) + '\n')
+    except OSError as e:  # a full disk's, say: an error at close names no file (Run's exit says which)
+        e.filename = e.filename or path
+        raise
     r = record
     if r.get('event') == 'fakeln':
         stds = list(r['std'].values())
@@ -943,7 +948,9 @@ class Run:
     def __exit__(self, exc_type, exc, tb):
         """A run that ended or stopped (Stopped) ends its processes together (end_processes); an
         error propagates without a collective, which a rank that failed alone would never meet. Out
-        of memory (out_of_memory) becomes one line: what did not fit and which keys to change."""
+        of memory (out_of_memory) becomes one line: what did not fit and which keys to change; so
+        does a full filesystem (disk_full: the log's append, a redirected stdout): free space and
+        resume. save_checkpoint says its own (a SystemExit)."""
         doing = self.doing()
         try:
             if exc_type is None or issubclass(exc_type, Stopped):
@@ -951,14 +958,22 @@ class Run:
         finally:
             self.signals.__exit__(exc_type, exc, tb)
             self.signals.doing = None  # the bound method's cycle would keep the lock after the run returns
-        if exc is not None and out_of_memory(exc):
+        if exc is None or isinstance(exc, SystemExit):
+            return
+        saved = (f"{self.ckpt_path} (the last checkpoint) is whole" if os.path.exists(self.ckpt_path)
+                 else "no checkpoint was written")
+        if out_of_memory(exc):
             c = self.cfg
-            saved = (f"{self.ckpt_path} (the last checkpoint) is whole" if os.path.exists(self.ckpt_path)
-                     else "no checkpoint was written")
             raise SystemExit(f"out of memory on {self.env.dev} during {doing}: batch_size {c.batch_size} × block_size "
                              f"{c.block_size} does not fit. Lower --batch_size and raise --gradient_accumulation_steps as "
                              f"much (the same tokens a step; a new run: resume keeps its batch), or lower --block_size "
                              f"or the model; {saved}") from None
+        if (full := disk_full(exc)) is not None:
+            where = f" writing {full.filename}" if full.filename else ''
+            then = (f"then continue with: {resume_command(self.cfg.out_dir, self.env.world)}"
+                    if os.path.exists(self.ckpt_path) else "then start the run again")
+            raise SystemExit(f"a filesystem is full ({full.strerror}){where} during {doing}: {saved}; free space, "
+                             f"{then}") from None
 
     def doing(self):
         """What the run is doing, for the first signal's line (StopSignal)."""

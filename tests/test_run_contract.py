@@ -294,6 +294,25 @@ def test_when_the_reader_of_its_output_ends_the_run_saves_and_stops_as_at_a_sign
     assert '"iter": 0' in logged(tmp_path)[-1]  # the log, a file, holds the iteration the pipe never showed
 
 
+@pytest.mark.skipif(not os.path.exists('/dev/full'), reason="Linux's /dev/full: every write fails with ENOSPC")
+def test_a_full_disk_mid_run_is_one_line_naming_the_file_and_the_resume_command(tmp_path):
+    """log.jsonl's append on a full filesystem (stood in for by /dev/full) ends the run in one line
+    with what to do, not an OSError traceback; the last checkpoint is untouched."""
+    run = make_run(tmp_path)
+    log = tmp_path / 'run' / 'log.jsonl'
+    with pytest.raises(SystemExit) as e:
+        with run:
+            run.evaluate(0, lambda first_batch: 3.0)  # saves the checkpoint of iteration 0
+            log.unlink(missing_ok=True)
+            log.symlink_to('/dev/full')
+            run.log({'iter': 0, 'loss': 1.0, 'phase': 'x', 'gate': 1.0, 'ce': 1.0, 'aux': 0.0, 'hidden_rms': 1.0,
+                     'logit_rms': 1.0, 'lr': 1e-3, 'step_ms': 1.0, 'tokens_per_s': 1.0})
+    assert str(e.value) == (f"a filesystem is full (No space left on device) writing {log} during iteration 0: "
+                            f"{tmp_path / 'run' / 'ckpt.pt'} (the last checkpoint) is whole; free space, then "
+                            f"continue with: python train.py --init_from=resume --out_dir={tmp_path / 'run'}")
+    assert checkpoint(tmp_path)['iter_num'] == 0
+
+
 def test_the_first_evaluations_line_is_printed_where_a_signal_cuts_it_short(tmp_path, capfd, monkeypatch):
     """A signal right after "evaluating at iteration 0" (what a user sees before pressing Ctrl-C)
     cuts that evaluation short, never 'finishes iteration 0' first."""
