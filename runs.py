@@ -596,9 +596,14 @@ class OutputGuard:
 
     def lost(self, e):
         if not isinstance(e, BrokenPipeError) and e.errno != errno.EIO:
-            raise e  # a full disk under a redirect, say: not a reader gone
+            e.filename = e.filename or getattr(self.stream, 'name', None)  # a full disk under a redirect: '<stdout>'
+            raise e
         try:  # the stream's buffer and the interpreter's flush at exit go nowhere, quietly
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, self.stream.fileno())
+            finally:
+                os.close(null)
         except (OSError, ValueError, AttributeError):  # a stream with no descriptor
             pass
         self.closed()
@@ -615,11 +620,17 @@ class StopSignal:
     training step, the calibrate event, a checkpoint being written) finishes, then the loop saves
     and stops (a closed output cuts nothing: the work it interrupted goes on). `received` is that
     signal. A second signal ends the process at once without saving (exit_code: 130, 143, 129),
-    in one line: out_dir/ckpt.pt keeps the last checkpoint written. `talk`: whether this process
-    prints (rank 0 under DDP). A run's stop is built on it (Run)."""
+    in one line: out_dir/ckpt.pt keeps the last checkpoint written. The same signal again within
+    REPEAT_S is not a second one but one event sent twice (a terminal's process group and a
+    launcher that passes it on: torchrun, study.py, a tool that signals every process of a job);
+    nor is a closed output (a first signal after it says its line, as first). `talk`: whether this
+    process prints (rank 0 under DDP). A run's stop is built on it (Run)."""
+
+    REPEAT_S = 1.0  # seconds within which the same signal again is the same event
 
     def __init__(self, talk=True, doing='the step in progress'):
         self.talk, self.received, self.previous = talk, None, {}
+        self.first = self.first_at = None  # the first signal (not a closed output) and its time.monotonic()
         self.doing, self.cuttable = doing, False  # doing: text, or a function giving it when a signal lands
 
     def __enter__(self):
@@ -640,12 +651,15 @@ class StopSignal:
                     f"then saving and stopping")
 
     def handle(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.received is not None:
+        name, now = signal.Signals(signum).name, time.monotonic()
+        if self.first is not None:
+            if signum == self.first and now - self.first_at < self.REPEAT_S:
+                return  # the first one, delivered twice
             if self.talk:
                 say(f"second {name}: stopped at once, without saving; the run folder keeps its last checkpoint")
             os._exit(exit_code(signum))  # no cleanup: nothing may delay it
-        self.received = signum
+        self.first, self.first_at = signum, now
+        self.received = signum  # over a closed output's: the run stops for this signal now
         if self.talk:
             doing = self.doing() if callable(self.doing) else self.doing
             say(f"{name}: {'cutting ' + doing + ' short' if self.cuttable else 'finishing ' + doing}, "
@@ -905,7 +919,7 @@ class Run:
     run finishes or cuts short; the run then writes the checkpoint of every finished step,
     prints one line with the iteration it resumes at and the command that resumes it, and exits
     with 128 + the signal (exit_code: 130 SIGINT, 143 SIGTERM, 129 SIGHUP, 141 when the output's
-    reader ended), on every rank, with no traceback (raising Stopped; under
+    reader ended; a rank stopped by another's flag, 143), on every rank, with no traceback (raising Stopped; under
     DDP the ranks end their processes together as they leave the context, as at a run's end).
     Where it lands:
     - before the loop (building, compiling: the context is entered): the first iteration begins
@@ -1025,6 +1039,7 @@ class Run:
             self.save(resume_at)
         signum = self.signals.received or signal.SIGTERM
         if self.env.master:
+            sys.stdout.flush()  # the step lines before the stop line, in a file too (train.out under study.py)
             say(f"stopped by {signal.Signals(signum).name} {when}: saved in {self.ckpt_path}, which resumes at "
                 f"iteration {resume_at}; continue with: {resume_command(self.cfg.out_dir, self.env.world)}")
         raise Stopped(exit_code(signum))

@@ -468,13 +468,17 @@ def open_segment(out_dir):
     atomic_write_json(segments, path)
 
 
-def close_segment(out_dir):
-    """Close the segment open_segment started; returns the cell's wall-time fields: wall_s, the
-    seconds of every known segment, segments, how many train.py runs it took, and wall_s_partial
-    where one of them is unknown."""
+def close_segment(out_dir, ran=True):
+    """Close the segment open_segment started (ran=False: the run never began, a signal came
+    first: the segment goes); returns the cell's wall-time fields: wall_s, the seconds of every
+    known segment, segments, how many train.py runs it took, and wall_s_partial where one of them
+    is unknown."""
     path = os.path.join(out_dir, 'segments.json')
     segments = read_json(path)
-    segments[-1][1] = time.time()
+    if ran:
+        segments[-1][1] = time.time()
+    else:
+        segments.pop()
     atomic_write_json(segments, path)
     known = [end - start for start, end in segments if start is not None]
     return dict(wall_s=sum(known), segments=len(segments), **({'wall_s_partial': True} if len(known) < len(segments) else {}))
@@ -522,14 +526,21 @@ class Stop:
         self.received, self.running, self.lock, self.previous = None, set(), threading.RLock(), {}
 
     def __enter__(self):
+        self.streams = None
         if threading.current_thread() is threading.main_thread():  # SIGHUP too, as train.py, unless nohup's
             self.previous = {s: signal.signal(s, self.handle) for s in runs.STOP_SIGNALS
                              if s in (signal.SIGINT, signal.SIGTERM) or signal.getsignal(s) != signal.SIG_IGN}
+            # the driver's lines are progress only (the records are in results.json, the cells' output in their
+            # train.out): once their reader is gone (`| tee` ended, a closed terminal) it goes on quietly
+            self.streams = sys.stdout, sys.stderr
+            sys.stdout, sys.stderr = (runs.OutputGuard(stream, lambda: None) for stream in self.streams)
         return self
 
     def __exit__(self, *exc):
         for s, h in self.previous.items():
             signal.signal(s, h)
+        if self.streams:
+            sys.stdout, sys.stderr = self.streams
 
     def handle(self, signum, frame):
         first, self.received = self.received is None, self.received or signum
@@ -597,15 +608,16 @@ def run_held_cell(name, args, out_dir, results, threads, isa, lock, stop):
         with open(os.path.join(out_dir, 'train.out'), 'a') as out:
             code = stop.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
                             pass_fds=(lock.fileno(),))
-        wall = close_segment(out_dir)
+        wall = close_segment(out_dir, ran=code is not None)
         if code is None:  # the signal came between the check above and the start
+            print(f"{name}: not begun after all: the driver is stopping", flush=True)
             return 'not begun'
         with open(os.path.join(out_dir, 'train.out')) as f:
             tail = f.read()[-2000:]
         if code in SIGNAL_EXITS:  # the driver's stop, forwarded (Stop), or a signal of the run's own
-            said = tail.rstrip().rsplit('\n', 1)[-1]
-            said = (said.split('; continue with:')[0] if said.startswith(('stopped by ', 'second '))
-                    else f"stopped by {SIGNAL_EXITS[code].name} while starting")
+            said = next((line.split('; continue with:')[0] for line in reversed(tail.splitlines())
+                         if line.startswith(('stopped by ', 'second '))),  # step lines may come after it
+                        f"stopped by {SIGNAL_EXITS[code].name} while starting")
             print(f"{name}: {said}; the same study.py command continues it", flush=True)
             return 'stopped'
         if code != 0:

@@ -224,6 +224,35 @@ def test_during_the_final_losses_one_process_cuts_them_and_ddp_completes_the_run
         assert final == []
 
 
+def test_one_signal_delivered_twice_at_once_is_one_and_a_closed_output_is_no_first_signal(tmp_path, capfd):
+    """SIGTERM from a tool that signals every process and again from the launcher that passes it
+    on (study.py, torchrun) within REPEAT_S: the run saves and stops as for one. After a closed
+    output (its stop under way), a signal is the first one: its own line, its exit code."""
+    run = make_run(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        with run:
+            run.evaluate(0, lambda first_batch: 3.0)
+            send()
+            send()
+            run.end_iteration(0, False)
+    assert e.value.code == 143 and checkpoint(tmp_path)['iter_num'] == 1
+    err = capfd.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith('SIGTERM: finishing iteration 0') and 'second' not in err[1]
+
+    (tmp_path / 'closed').mkdir()
+    run = make_run(tmp_path / 'closed')
+    with pytest.raises(SystemExit) as e:
+        with run:
+            run.evaluate(0, lambda first_batch: 3.0)
+            run.signals.output_closed()
+            send(signal.SIGINT)
+            run.end_iteration(0, False)
+    assert e.value.code == 130 and checkpoint(tmp_path / 'closed')['iter_num'] == 1
+    err = capfd.readouterr().err.splitlines()
+    assert err[0].startswith("the output's reader has ended") and err[1].startswith('SIGINT: finishing iteration 0')
+    assert err[2].startswith('stopped by SIGINT after iteration 0: ')
+
+
 @pytest.mark.parametrize('signum, code', [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_second_signal_ends_the_process_at_once_with_its_code_and_the_last_checkpoint_whole(tmp_path, signum,
                                                                                                code):
@@ -234,10 +263,12 @@ def test_a_second_signal_ends_the_process_at_once_with_its_code_and_the_last_che
         sys.path.insert(0, {os.path.join(ROOT, 'tests')!r}); sys.path.insert(0, {ROOT!r})
         from pathlib import Path
         import test_run_contract as t
+        import runs, time
         run = t.make_run(Path({str(tmp_path)!r}))
         with run:
             run.evaluate(0, lambda first_batch: 3.0)
             os.kill(os.getpid(), {int(signum)})
+            time.sleep(runs.StopSignal.REPEAT_S)  # sooner, it would be the first one delivered twice
             os.kill(os.getpid(), {int(signum)})
             print('went on', flush=True)
         """)

@@ -353,6 +353,7 @@ def test_a_second_signal_stops_at_once_without_saving_in_one_line(toy_data, tmp_
     errors = read_lines(proc.stderr)
     proc.send_signal(getattr(signal, how))
     wait_for_line(errors, f'{how}: finishing iteration 0, then saving and stopping', proc)
+    time.sleep(runs.StopSignal.REPEAT_S)  # sooner, the same signal is the first one delivered twice
     proc.send_signal(getattr(signal, how))
     assert proc.wait(timeout=60) == code
     rest = []

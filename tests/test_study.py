@@ -185,7 +185,8 @@ def fake_train(monkeypatch, hold=lambda out_dir: None, until_signalled=False):
         if code is not None:
             name = {130: 'SIGINT', 143: 'SIGTERM'}[code]
             stdout.write(f"stopped by {name} after iteration 3: saved in {out_dir}/ckpt.pt, which resumes at "
-                         f"iteration 4; continue with: python train.py --out_dir={out_dir} --init_from=resume\n")
+                         f"iteration 4; continue with: python train.py --out_dir={out_dir} --init_from=resume\n"
+                         "iter 3 ... (a step line train.py's buffered stdout wrote at exit)\n")
         else:
             (out_dir / 'log.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in FINISHED_LOG))
         procs.append(Ran(code or 0, until_signalled and code is not None))
@@ -280,6 +281,21 @@ def test_a_signal_stops_the_driver_in_one_line_once_its_cells_saved_and_begins_n
     assert sorted(ran) == ['all-end-s1', 'baseline-end-s1']
     assert "baseline-end-s1: stopped by SIGTERM after iteration 3" in capfd.readouterr().out
     assert set(json.loads((out / 'results.json').read_text())['cells']) == {'all-end-s1'}
+
+
+def test_a_driver_whose_output_has_no_reader_any_more_runs_its_cells_quietly(tiny_matrix, tmp_path, monkeypatch):
+    """`study.py ... | tee` whose tee ended: the driver's progress lines fail with EPIPE; it goes on
+    without them (its records go to results.json), not with a BrokenPipeError from a cell's thread."""
+    import io
+
+    class Gone(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, 'Broken pipe')
+
+    ran = fake_train(monkeypatch)
+    monkeypatch.setattr(sys, 'stdout', Gone())
+    data = study.main(['--matrix=tiny', f'--study_dir={tmp_path / "study"}', '--table=False', '--jobs=2'])
+    assert sorted(ran) == ['all-end-s1', 'baseline-end-s1'] and set(data['cells']) == set(ran)
 
 
 def test_a_second_driver_skips_the_cell_the_first_runs_and_leaves_its_account_and_output(tiny_matrix, tmp_path,
