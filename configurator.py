@@ -64,8 +64,10 @@ def check_type(key, value, default, where, choices=None):
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if type(value) is not type(default):
+        # Python's spellings: --compile=false or =1 (other tools' habits) would otherwise read as a type puzzle
+        how = f": write {key}=True or {key}=False" if isinstance(default, bool) else ''
         raise ConfigError(f"{where}: {key}={value!r} is of type {type(value).__name__}, "
-                          f"expected {type(default).__name__} like the default {default!r}")
+                          f"expected {type(default).__name__} like the default {default!r}{how}")
     return value
 
 

@@ -126,6 +126,8 @@ def test_config_files_compose_and_overrides_win():
     (['--n_layer=4.5'], 'n_layer=4.5 is of type float'),
     (['--bias=1'], 'bias=1 is of type int'),
     (['--compile=1'], 'compile=1'),
+    (['--bias=false'], "bias='false' is of type str, expected bool like the default True: write "
+                       "bias=True or bias=False"),  # another CLI's habit
     (['--max_iters'], '--key=value'),
     (['config/nope.py'], 'not found'),
     (['--taper=internal', '--gate_warmup_iters=0'], 'gate_warmup_iters=0 must be >= 1'),
