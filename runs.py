@@ -653,8 +653,10 @@ class StopSignal:
     def handle(self, signum, frame):
         name, now = signal.Signals(signum).name, time.monotonic()
         if self.first is not None:
-            if signum == self.first and now - self.first_at < self.REPEAT_S:
-                return  # the first one, delivered twice
+            if signum == self.first and now - self.first_at < self.REPEAT_S:  # the first one, delivered twice
+                if self.talk:
+                    say(f"{name} again within {self.REPEAT_S:g} s: taken as the same one (once more stops at once)")
+                return
             if self.talk:
                 say(f"second {name}: stopped at once, without saving; the run folder keeps its last checkpoint")
             os._exit(exit_code(signum))  # no cleanup: nothing may delay it
@@ -1039,7 +1041,10 @@ class Run:
             self.save(resume_at)
         signum = self.signals.received or signal.SIGTERM
         if self.env.master:
-            sys.stdout.flush()  # the step lines before the stop line, in a file too (train.out under study.py)
+            try:  # the step lines before the stop line, in a file too (train.out under study.py)
+                sys.stdout.flush()
+            except OSError:  # a full disk under a redirect: the stop goes on, its line on stderr
+                pass
             say(f"stopped by {signal.Signals(signum).name} {when}: saved in {self.ckpt_path}, which resumes at "
                 f"iteration {resume_at}; continue with: {resume_command(self.cfg.out_dir, self.env.world)}")
         raise Stopped(exit_code(signum))

@@ -524,6 +524,7 @@ class Stop:
 
     def __init__(self):
         self.received, self.running, self.lock, self.previous = None, set(), threading.RLock(), {}
+        self.first_at = None  # time.monotonic() of the first signal
 
     def __enter__(self):
         self.streams = None
@@ -543,7 +544,12 @@ class Stop:
             sys.stdout, sys.stderr = self.streams
 
     def handle(self, signum, frame):
-        first, self.received = self.received is None, self.received or signum
+        now = time.monotonic()
+        if self.received == signum and now - self.first_at < runs.StopSignal.REPEAT_S:
+            return  # one signal delivered twice (to the process group and to the driver): passed on once
+        first = self.received is None
+        if first:
+            self.received, self.first_at = signum, now
         with self.lock:  # an RLock: a second signal can land while this handler holds it
             procs = list(self.running)
         runs.say(f"study.py: {signal.Signals(signum).name} passed to {len(procs)} running cell(s), which "
@@ -605,15 +611,18 @@ def run_held_cell(name, args, out_dir, results, threads, isa, lock, stop):
         print(f"{name}: {'resuming' if resume else 'starting'} (progress: tail -f {out_dir}/train.out)", flush=True)
         open_segment(out_dir)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), **cpu_pins(isa))
-        with open(os.path.join(out_dir, 'train.out'), 'a') as out:
+        train_out = os.path.join(out_dir, 'train.out')
+        begun = os.path.getsize(train_out) if os.path.exists(train_out) else 0  # train.out keeps earlier runs'
+        with open(train_out, 'a') as out:
             code = stop.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
                             pass_fds=(lock.fileno(),))
         wall = close_segment(out_dir, ran=code is not None)
         if code is None:  # the signal came between the check above and the start
             print(f"{name}: not begun after all: the driver is stopping", flush=True)
             return 'not begun'
-        with open(os.path.join(out_dir, 'train.out')) as f:
-            tail = f.read()[-2000:]
+        with open(train_out, 'rb') as f:  # this run's output, its last 2,000 bytes
+            f.seek(max(begun, os.path.getsize(train_out) - 2000))
+            tail = f.read().decode('utf-8', 'replace')
         if code in SIGNAL_EXITS:  # the driver's stop, forwarded (Stop), or a signal of the run's own
             said = next((line.split('; continue with:')[0] for line in reversed(tail.splitlines())
                          if line.startswith(('stopped by ', 'second '))),  # step lines may come after it
@@ -1146,8 +1155,8 @@ def main(argv):
             status = dict(zip(cells, pool.map(lambda n: run_cell(n, cells[n], os.path.abspath(os.path.join(
                 cfg.study_dir, n)), results, cfg.threads, cfg.cpu_isa, stop), cells)))
         if stop.received:
-            print(f"study.py stopped by {signal.Signals(stop.received).name}: each running cell said above "
-                  "where it stopped; the same command continues them", file=sys.stderr, flush=True)
+            runs.say(f"study.py stopped by {signal.Signals(stop.received).name}: each running cell said above "
+                     "where it stopped; the same command continues them")  # say: stderr may have no reader now
             raise SystemExit(runs.exit_code(stop.received))
         count = lambda s: sum(v == s for v in status.values())
         if count('elsewhere'):

@@ -4,6 +4,7 @@ checked against the contract in Run's docstring. DDP is rank 0's view (env.ddp, 
 step's all-reduce is stood in for by the flag passed to end_iteration, and Run's own
 collectives (the agreement after the last step, the processes' end) by recorders (collectives)."""
 
+import errno
 import os
 import signal
 import subprocess
@@ -224,10 +225,15 @@ def test_during_the_final_losses_one_process_cuts_them_and_ddp_completes_the_run
         assert final == []
 
 
-def test_one_signal_delivered_twice_at_once_is_one_and_a_closed_output_is_no_first_signal(tmp_path, capfd):
-    """SIGTERM from a tool that signals every process and again from the launcher that passes it
-    on (study.py, torchrun) within REPEAT_S: the run saves and stops as for one. After a closed
-    output (its stop under way), a signal is the first one: its own line, its exit code."""
+def test_one_signal_delivered_twice_at_once_is_one_and_a_closed_output_is_no_first_signal(tmp_path, capfd,
+                                                                                          monkeypatch):
+    """SIGTERM from a tool that signals every process and again from study.py, which passes it on,
+    within REPEAT_S: the run saves and stops as for one. After a closed output (its stop under way),
+    a signal is the first one: its own line, its exit code."""
+    def exit_at_once(code):
+        raise AssertionError(f'the process would have ended at once, without saving (exit {code})')
+
+    monkeypatch.setattr(runs.os, '_exit', exit_at_once)
     run = make_run(tmp_path)
     with pytest.raises(SystemExit) as e:
         with run:
@@ -237,7 +243,9 @@ def test_one_signal_delivered_twice_at_once_is_one_and_a_closed_output_is_no_fir
             run.end_iteration(0, False)
     assert e.value.code == 143 and checkpoint(tmp_path)['iter_num'] == 1
     err = capfd.readouterr().err.splitlines()
-    assert len(err) == 2 and err[0].startswith('SIGTERM: finishing iteration 0') and 'second' not in err[1]
+    assert err[0].startswith('SIGTERM: finishing iteration 0')
+    assert err[1] == 'SIGTERM again within 1 s: taken as the same one (once more stops at once)'
+    assert err[2].startswith('stopped by SIGTERM after iteration 0: ')
 
     (tmp_path / 'closed').mkdir()
     run = make_run(tmp_path / 'closed')
@@ -251,6 +259,32 @@ def test_one_signal_delivered_twice_at_once_is_one_and_a_closed_output_is_no_fir
     err = capfd.readouterr().err.splitlines()
     assert err[0].startswith("the output's reader has ended") and err[1].startswith('SIGINT: finishing iteration 0')
     assert err[2].startswith('stopped by SIGINT after iteration 0: ')
+
+
+@pytest.mark.skipif(not os.path.exists('/dev/full'), reason="Linux's /dev/full: every write fails with ENOSPC")
+def test_the_stop_line_comes_after_the_step_lines_in_a_file_and_a_full_disk_names_the_stream(tmp_path):
+    """stdout and stderr into one file (study.py's train.out): the step lines, block-buffered, are
+    written before the stop line, which is the file's last. A full disk under a redirect is an
+    OSError naming the stream, for Run's one line (not taken for a reader gone)."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.join(ROOT, 'tests')!r}); sys.path.insert(0, {ROOT!r})
+        from pathlib import Path
+        import test_run_contract as t
+        t.loop(t.make_run(Path({str(tmp_path)!r})), 'step')
+        """)
+    with open(tmp_path / 'train.out', 'w') as out:
+        code = subprocess.run([sys.executable, '-c', script], stdout=out, stderr=subprocess.STDOUT, timeout=120,
+                              env={k: v for k, v in os.environ.items() if k != 'PYTHONUNBUFFERED'}).returncode
+    lines = (tmp_path / 'train.out').read_text().splitlines()
+    assert code == 143 and lines[-1].startswith('stopped by SIGTERM after iteration 5: ')
+    assert any(line.startswith('iter      5 ') for line in lines)
+
+    with open('/dev/full', 'w') as full, pytest.raises(OSError) as e:
+        guard = runs.OutputGuard(full, lambda: pytest.fail('a full disk taken for a closed output'))
+        guard.write('x' * 100_000)
+        guard.flush()
+    assert e.value.errno == errno.ENOSPC and e.value.filename == '/dev/full'
 
 
 @pytest.mark.parametrize('signum, code', [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

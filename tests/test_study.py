@@ -182,12 +182,12 @@ def fake_train(monkeypatch, hold=lambda out_dir: None, until_signalled=False):
         stdout.write(f"stand-in train.py run {len(ran)}{' --init_from=resume' * ('--init_from=resume' in cmd)}\n")
         stdout.flush()
         code = hold(out_dir)
-        if code is not None:
+        if code is not None and code > 0:  # below 0: killed by the signal before its handlers, no line
             name = {130: 'SIGINT', 143: 'SIGTERM'}[code]
             stdout.write(f"stopped by {name} after iteration 3: saved in {out_dir}/ckpt.pt, which resumes at "
                          f"iteration 4; continue with: python train.py --out_dir={out_dir} --init_from=resume\n"
                          "iter 3 ... (a step line train.py's buffered stdout wrote at exit)\n")
-        else:
+        elif code is None:
             (out_dir / 'log.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in FINISHED_LOG))
         procs.append(Ran(code or 0, until_signalled and code is not None))
         return procs[-1]
@@ -281,6 +281,46 @@ def test_a_signal_stops_the_driver_in_one_line_once_its_cells_saved_and_begins_n
     assert sorted(ran) == ['all-end-s1', 'baseline-end-s1']
     assert "baseline-end-s1: stopped by SIGTERM after iteration 3" in capfd.readouterr().out
     assert set(json.loads((out / 'results.json').read_text())['cells']) == {'all-end-s1'}
+
+    # killed by SIGTERM before its handlers (no line of its own): train.out's earlier stop lines are not its
+    ran = fake_train(monkeypatch, lambda out_dir: -signal.SIGTERM)
+    with pytest.raises(SystemExit, match=r"^1 cell\(s\) stopped by a signal"):
+        study.main(['--matrix=tiny', f'--study_dir={out}', '--table=False'])
+    said = capfd.readouterr().out
+    assert ("baseline-end-s1: stopped by SIGTERM while starting; the same study.py command continues it" in said
+            and 'after iteration 3' not in said)
+
+
+def test_the_driver_passes_a_signal_on_once_and_a_cell_it_stopped_before_its_start_leaves_no_account(
+        tiny_matrix, tmp_path, monkeypatch, capfd):
+    """The same signal twice within REPEAT_S (to the process group, and to the driver) is passed on
+    once, a later one again. A signal between a cell's check and its start: the cell does not begin
+    and its wall-time account gains no segment."""
+    import signal
+    stop, cell = study.Stop(), Ran(0, until_signalled=True)
+    stop.running.add(cell)
+    stop.handle(signal.SIGTERM, None)
+    stop.handle(signal.SIGTERM, None)
+    assert cell.signals == [signal.SIGTERM]
+    stop.first_at -= study.runs.StopSignal.REPEAT_S
+    stop.handle(signal.SIGTERM, None)
+    assert cell.signals == [signal.SIGTERM] * 2
+    assert capfd.readouterr().err.splitlines() == [
+        'study.py: SIGTERM passed to 1 running cell(s), which save and stop; no other cell begins (again: they '
+        'stop at once, without saving)', 'study.py: SIGTERM passed to 1 running cell(s), which stop at once, without saving']
+
+    ran, stop, real_open = fake_train(monkeypatch), study.Stop(), study.open_segment
+
+    def open_then_signal(out_dir):
+        real_open(out_dir)
+        stop.received = signal.SIGTERM  # the driver's handler, run just here
+
+    monkeypatch.setattr(study, 'open_segment', open_then_signal)
+    out_dir = tmp_path / 'baseline-end-s1'
+    status = study.run_cell('baseline-end-s1', tiny_matrix['baseline-end-s1'], str(out_dir),
+                            study.Results(str(tmp_path / 'results.json')), 1, '', stop)
+    assert status == 'not begun' and ran == [] and json.loads((out_dir / 'segments.json').read_text()) == []
+    assert 'baseline-end-s1: not begun after all: the driver is stopping' in capfd.readouterr().out
 
 
 def test_a_driver_whose_output_has_no_reader_any_more_runs_its_cells_quietly(tiny_matrix, tmp_path, monkeypatch):
