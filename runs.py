@@ -563,6 +563,16 @@ STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, 
 OUTPUT_CLOSED = getattr(signal, 'SIGPIPE', signal.SIGTERM)
 
 
+def stop_handlers(handle):
+    """Set handle for each of STOP_SIGNALS, a SIGHUP ignored on entry (nohup) left ignored; returns
+    {signal: the handler it replaced}, for the caller to put back. In the main thread only, where
+    Python allows handlers: elsewhere nothing is set and {} returned."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, handle) for s in STOP_SIGNALS
+            if s in (signal.SIGINT, signal.SIGTERM) or signal.getsignal(s) != signal.SIG_IGN}
+
+
 def exit_code(signum):
     """The exit status of a run stopped by signum, the shell's 128 + N: 130 SIGINT, 143 SIGTERM,
     129 SIGHUP, 141 SIGPIPE (its output closed)."""
@@ -634,9 +644,7 @@ class StopSignal:
         self.doing, self.cuttable = doing, False  # doing: text, or a function giving it when a signal lands
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
-            self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS
-                             if s in (signal.SIGINT, signal.SIGTERM) or signal.getsignal(s) != signal.SIG_IGN}
+        self.previous = stop_handlers(self.handle)
         self.streams = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = (OutputGuard(stream, self.output_closed) for stream in self.streams)
         return self

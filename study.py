@@ -528,9 +528,8 @@ class Stop:
 
     def __enter__(self):
         self.streams = None
-        if threading.current_thread() is threading.main_thread():  # SIGHUP too, as train.py, unless nohup's
-            self.previous = {s: signal.signal(s, self.handle) for s in runs.STOP_SIGNALS
-                             if s in (signal.SIGINT, signal.SIGTERM) or signal.getsignal(s) != signal.SIG_IGN}
+        self.previous = runs.stop_handlers(self.handle)  # as train.py's: SIGHUP too, unless nohup's
+        if self.previous:  # the main thread's driver
             # the driver's lines are progress only (the records are in results.json, the cells' output in their
             # train.out): once their reader is gone (`| tee` ended, a closed terminal) it goes on quietly
             self.streams = sys.stdout, sys.stderr
@@ -570,6 +569,7 @@ class Stop:
         finally:
             with self.lock:
                 self.running.discard(proc)
+
 
 def run_cell(name, args, out_dir, results, threads, isa='', stop=None):
     """Train one cell to its end (or its divergence) and record it, its wall time summed over every
@@ -1162,10 +1162,10 @@ def main(argv):
         if count('elsewhere'):
             print(f"{count('elsewhere')} cell(s) skipped: another study.py runs them and records them in "
                   f"{results.path}", flush=True)
-        if count('failed') or count('stopped'):
-            raise SystemExit('; '.join([f"{count('failed')} cell(s) failed: fix them"] * bool(count('failed')) +
-                                       [f"{count('stopped')} cell(s) stopped by a signal, saved"] * bool(count('stopped')))
-                             + "; then rerun the same command")
+        ended = [f"{count(s)} cell(s) {how}" for s, how in (('failed', 'failed: fix them'),
+                                                           ('stopped', 'stopped by a signal, saved')) if count(s)]
+        if ended:
+            raise SystemExit('; '.join(ended) + '; then rerun the same command')
     if cfg.table or cfg.readme:
         results.data = results.read()  # with what another driver has written meanwhile
         done = {n: results.data['cells'][n] for n in cells if n in results.data['cells']}
