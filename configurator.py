@@ -98,7 +98,7 @@ def config_error(path, e):
 def read_config(path):
     """The source of config file path; ConfigError (config_error) where it is not Python."""
     try:
-        with open(path, encoding='utf-8') as f:
+        with open(path, encoding='utf-8-sig') as f:  # -sig: Python runs a file saved with a BOM, so do we
             source = f.read()
         ast.parse(source, path)
     except (SyntaxError, ValueError) as e:  # ValueError: not UTF-8, or a NUL byte
@@ -196,7 +196,9 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',), origins=None):
             raise ConfigError(f"{arg}: did you mean --{arg.lstrip('-')}? Overrides start with two dashes")
         elif not os.path.isfile(arg):
             if arg.endswith('.py'):
-                raise ConfigError(f"config file {arg!r} not found (paths are relative to the current folder)")
+                shipped = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'config', os.path.basename(arg))
+                hint = f": did you mean {os.path.relpath(shipped)}?" if os.path.isfile(shipped) else ''
+                raise ConfigError(f"config file {arg!r} not found (paths are relative to the current folder){hint}")
             raise ConfigError(f"{arg!r} is neither a config file nor --key=value; a value with spaces "
                               f"needs quotes, e.g. --start='It was a'")
         else:

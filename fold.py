@@ -20,13 +20,14 @@ a weight matrix acts the same at every position, so such a checkpoint is refused
 approximately.
 
 The script checks its work: it prints the largest |Δ logit| between the unfolded model at
-g = 0 and the folded one on a batch of validation tokens (random tokens when the dataset is not
-on disk), and writes nothing if the folded model is further from an fp64 copy of the unfolded one
+g = 0 and the folded one on a batch of the run's validation tokens (random tokens when its dataset
+is not on disk, or what is there is other data), and writes nothing if the folded model is further from an fp64 copy of the unfolded one
 than LOGIT_SLACK times the unfolded fp32 model's own error, plus LOGIT_FLOOR of the largest logit
 (max_logit_error, the check bench.py's gate runs too); then the parameter and byte counts.
 """
 
 import copy
+import json
 import os
 
 import numpy as np
@@ -35,7 +36,8 @@ import torch
 from baselines import FAKELN_EVENTS, NORM_FREE
 from configurator import ConfigError, check_out_file, configure, resolve_device, run_command, set_tf32
 from model import GPTConfig
-from runs import check_writable, load_model, model_from_state_dict, resume_command, save_checkpoint
+from runs import (REPO, check_writable, data_identity, load_model, model_from_state_dict, resume_command,
+                  save_checkpoint)
 
 # -----------------------------------------------------------------------------
 ckpt = ''           # a train.py checkpoint in the linear phase (g = 0)
@@ -182,19 +184,43 @@ def model_size(model):
 
 
 def check_batch(ckpt_dict, batch_size, seed):
-    """A (batch_size, block_size) batch of val tokens from the checkpoint's dataset, or random
-    tokens when that val.bin is not on disk. Returns (tokens, where they came from)."""
+    """A (batch_size, block_size) int64 batch of val tokens from the data the checkpoint trained
+    on, its data_dir/dataset resolved as runs.find_dataset does. Random ids below vocab_size when
+    that val.bin is missing or shorter than block_size, or is other data: a meta.json that is not
+    the checkpoint's `meta` (runs.data_identity), or an id >= vocab_size, as when the name was
+    prepared again with another vocabulary. Returns (tokens, where they came from: the val.bin
+    path, or 'random tokens' and why)."""
     args, cfg = ckpt_dict['model_args'], ckpt_dict.get('config', {})
-    T, rng = args['block_size'], np.random.default_rng(seed)
-    path = os.path.join(cfg.get('data_dir', 'data'), cfg.get('dataset', ''), 'val.bin')
-    if not os.path.isfile(path):  # a relative data_dir is relative to where train.py ran: the repo, usually
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
-    if os.path.isfile(path):
+    T, V, rng = args['block_size'], args['vocab_size'], np.random.default_rng(seed)
+    folder = os.path.join(REPO, cfg.get('data_dir', 'data'), cfg.get('dataset', ''))
+    path = os.path.join(folder, 'val.bin')
+    if not os.path.isfile(path):
+        why = f'{path} not found'
+    elif not same_data(ckpt_dict.get('meta'), folder):
+        why = f"{folder}/meta.json is not the data the run trained on"
+    else:
         data = np.memmap(path, dtype=np.uint16, mode='r')
-        if len(data) >= T:
+        if len(data) < T:
+            why = f'{path} is shorter than block_size = {T}'
+        else:
             ix = rng.integers(len(data) - T + 1, size=batch_size)
-            return torch.from_numpy(np.stack([data[i:i + T] for i in ix]).astype(np.int64)), path
-    return torch.from_numpy(rng.integers(args['vocab_size'], size=(batch_size, T))), 'random tokens'
+            tokens = torch.from_numpy(np.stack([data[i:i + T] for i in ix]).astype(np.int64))
+            if tokens.max() < V:
+                return tokens, path
+            why = f'{path} holds ids >= the model\'s vocab_size = {V}'
+    return torch.from_numpy(rng.integers(V, size=(batch_size, T))), f'random tokens: {why}'
+
+
+def same_data(ckpt_meta, folder):
+    """Whether folder's meta.json is the dataset ckpt_meta describes (True when the checkpoint
+    records none: nothing to compare with; False when meta.json is missing or not JSON)."""
+    if ckpt_meta is None:
+        return True
+    try:
+        with open(os.path.join(folder, 'meta.json')) as f:
+            return data_identity(json.load(f)) == data_identity(ckpt_meta)
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def validate(cfg):

@@ -11,6 +11,7 @@ docs/runs.md.
 import atexit
 import dataclasses
 import datetime
+import difflib
 import errno
 import functools
 import json
@@ -113,14 +114,26 @@ def find_dataset(cfg, may_prepare, cpu_hint=''):
             raise
     for name in ('train.bin', 'val.bin', 'meta.json'):
         if not os.path.exists(os.path.join(folder, name)):
-            raise SystemExit(f"{os.path.join(folder, name)} not found. Prepare the dataset first:\n"
-                             f"    {prepare_command(cfg.dataset)}")
+            hint = misspelled(folder)
+            raise SystemExit(f"{os.path.join(folder, name)} not found. {hint + ' Otherwise p' if hint else 'P'}"
+                             f"repare the dataset first:\n    {prepare_command(cfg.dataset)}")
     meta = check_dataset(folder, cfg.block_size, prepare_command(cfg.dataset))
     if cfg.init_from not in ('scratch', 'resume') and meta.get('unk_id') is not None:
         raise SystemExit(f"init_from={cfg.init_from} reads GPT-2's own token ids, but {folder} holds a compact "
                          f"vocabulary of {meta['vocab_size']} ids: prepare it with the full GPT-2 vocabulary "
                          "(--vocab_size=0; data/openwebtext and data/pile always use it)")
     return folder, meta
+
+
+def misspelled(folder):
+    """For a dataset folder that does not exist: 'Did you mean --dataset=NAME (...)?' naming the prepared
+    dataset beside it (a folder with a meta.json) whose name is closest, or '' when none is close."""
+    parent, name = os.path.split(os.path.normpath(folder))
+    if os.path.exists(folder) or not os.path.isdir(parent):
+        return ''
+    prepared = [d for d in os.listdir(parent) if os.path.isfile(os.path.join(parent, d, 'meta.json'))]
+    close = difflib.get_close_matches(name, prepared, n=1)
+    return f"Did you mean --dataset={close[0]} (prepared in {parent})?" if close else ''
 
 
 def check_dataset(folder, block_size, fix):
@@ -158,15 +171,21 @@ def check_dataset(folder, block_size, fix):
     return meta
 
 
+def data_identity(meta):
+    """A prepared dataset's meta.json (dict) less its 'sources': what makes two preparations the
+    same data. The sources are the input files' paths, which say where the text was, not what it
+    was, so the same corpus prepared from another folder matches."""
+    return {k: v for k, v in meta.items() if k != 'sources'}
+
+
 def check_same_data(ckpt, folder, meta):
     """For a resume from the checkpoint dict ckpt: SystemExit unless `meta` (folder's meta.json) is
-    the checkpoint's `meta`, both less their 'sources', as study.data_of compares datasets (the same
-    text prepared from another path matches): another dataset at the same vocab_size would give the
+    the checkpoint's `meta` (data_identity): another dataset at the same vocab_size would give the
     run's ids other tokens. The message names the keys that differ and the folder the run trained
     on. ckpt None (a run from scratch) or without a meta passes: there is nothing to compare with."""
     if ckpt is None or ckpt.get('meta') is None:
         return
-    now, was = ({k: v for k, v in m.items() if k != 'sources'} for m in (meta, ckpt['meta']))
+    now, was = data_identity(meta), data_identity(ckpt['meta'])
     if now == was:
         return
     absent = object()  # a key one of the two lacks
@@ -310,9 +329,12 @@ class Progress:
         it on, the calibrate event if it is ahead ('end' measures on its batches, then both
         modes measure the branch mismatch), the final losses."""
         c = self.cfg
-        calibrate = c.taper != 'none' and it < c.gate_warmup_iters
         return (count_multiples(it, c.max_iters, c.eval_interval) * c.eval_iters + self.final_batches
-                + (c.calib_batches * (2 if c.calibration == 'end' else 1) if calibrate else 0))
+                + (c.calib_batches * (2 if c.calibration == 'end' else 1) if self.calibrates(it) else 0))
+
+    def calibrates(self, it):
+        """Whether the calibrate event is still ahead of iteration it (not for a resume past it)."""
+        return self.cfg.taper != 'none' and it < self.cfg.gate_warmup_iters
 
     def evaluation_batch(self, it, seconds):
         """The first batch of the evaluation at iteration it took `seconds`: the first estimate,
@@ -321,7 +343,7 @@ class Progress:
             self.batch_s = seconds
             if not self.step_s:
                 step_s = self.STEP_FORWARDS * self.cfg.gradient_accumulation_steps * seconds
-                self.report(self.cfg.max_iters - it, step_s, self.forward_batches_left(it) - 1, seconds,
+                self.report(self.cfg.max_iters - it, step_s, self.forward_batches_left(it) - 1, seconds, it,
                             f'from the first evaluation batch alone (a first-batch figure, often high; a second '
                             f'estimate follows after {self.FIRST_STEPS} steps)')
 
@@ -335,7 +357,7 @@ class Progress:
         if self.steps == self.FIRST_STEPS:
             step_s = sum(self.step_s[1:]) / (self.FIRST_STEPS - 1)
             batch_s = self.batch_s or step_s / (self.STEP_FORWARDS * self.cfg.gradient_accumulation_steps)
-            self.report(self.cfg.max_iters - it - 1, step_s, self.forward_batches_left(it + 1), batch_s,
+            self.report(self.cfg.max_iters - it - 1, step_s, self.forward_batches_left(it + 1), batch_s, it + 1,
                         f'from iterations {it + 2 - self.FIRST_STEPS}–{it}')
 
     def left(self, it):
@@ -359,12 +381,14 @@ class Progress:
         left = self.left(it + 1)
         return done if left is None else f"{done}, {clock(left)} left"
 
-    def report(self, steps, step_s, batches, batch_s, source):
+    def report(self, steps, step_s, batches, batch_s, it, source):
+        """Print the estimate: steps and batches (forward_batches_left(it)) at their times."""
         if not self.env.master:
             return
         left = steps * step_s + batches * batch_s
+        kinds = 'evaluations, calibration, final losses' if self.calibrates(it) else 'evaluations, final losses'
         print(f"estimate: {duration(left)} left: {steps:,} steps at {step_s:.3g} s and {batches:,} forward batches "
-              f"(evaluations, calibration, final losses) at {batch_s:.3g} s, {source}", flush=True)
+              f"({kinds}) at {batch_s:.3g} s, {source}", flush=True)
         if self.env.device_type == 'cpu' and left > CPU_LONG_S and not self.warned:
             self.warned = True
             print(f"this run takes about {duration(left)} on this CPU{self.hint}", flush=True)
@@ -1103,7 +1127,7 @@ class Run:
         resumed) and what comes next, fold.py then sample.py where its norms fold (TaperNorm in the
         linear phase, FakeLN), else sample.py."""
         cfg = self.cfg
-        ran = (f"iterations {self.first_iter:,}–{self.iter_num:,} (resumed)" if self.first_iter else
+        ran = (f"iterations {self.first_iter:,}–{self.iter_num - 1:,} (resumed)" if self.first_iter else
                f"{self.iter_num:,} iterations")
         print(f"done: {ran}, {clock(time.perf_counter() - self.progress.start)} elapsed; the trained model is "
               f"{self.ckpt_path}", flush=True)

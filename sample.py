@@ -44,7 +44,7 @@ def read_prompt(start):
         return start
     path = os.path.expanduser(start[len('FILE:'):])  # FILE:~/prompt.txt: no shell expands it there
     try:
-        with open(path, encoding='utf-8') as f:
+        with open(path, encoding='utf-8-sig') as f:  # -sig: a byte-order mark (Notepad's) is not prompt text
             return f.read()
     except OSError as e:
         raise SystemExit(f"--start={start}: cannot read the prompt file ({e.strerror})")

@@ -658,12 +658,12 @@ def run_held_cell(name, args, out_dir, results, threads, isa, lock, stop):
 def data_of(args):
     """The dataset a cell trains on: {dataset, tokens {train, val}, meta_sha256}, so that no table
     mixes cells of two datasets, or of two preparations of one. meta_sha256 is the sha256 of
-    meta.json's JSON (keys sorted) less its 'sources': those are the input files' paths, which say
-    where the text was, not what it was, so the same corpus prepared from another folder matches."""
+    meta.json's JSON (keys sorted) less its 'sources' (runs.data_identity), so the same corpus
+    prepared from another folder matches."""
     cfg = cell_config(args)
     folder = os.path.join(ROOT, cfg['data_dir'], cfg['dataset'])
     with open(os.path.join(folder, 'meta.json')) as f:
-        meta = {k: v for k, v in json.load(f).items() if k != 'sources'}
+        meta = runs.data_identity(json.load(f))
     tokens = {s: os.path.getsize(os.path.join(folder, f'{s}.bin')) // 2 for s in ('train', 'val')}
     digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
     return dict(dataset=cfg['dataset'], tokens=tokens, meta_sha256=digest)

@@ -180,11 +180,11 @@ def check_utf8(path, sample_bytes=1 << 20):
 
 
 def read_text(path):
-    """The whole of a UTF-8 text file as str, line endings normalized (normalize_newlines).
-    A stray bad byte does not abort a run: it becomes U+FFFD. SystemExit for a file that is not
-    UTF-8 text (check_utf8)."""
+    """The whole of a UTF-8 text file as str, line endings normalized (normalize_newlines), a
+    leading byte-order mark dropped. A stray bad byte does not abort a run: it becomes U+FFFD.
+    SystemExit for a file that is not UTF-8 text (check_utf8)."""
     check_utf8(path)
-    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+    with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:  # -sig: a byte-order mark is not text
         return normalize_newlines(f.read())
 
 

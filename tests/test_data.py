@@ -584,6 +584,27 @@ def test_text_crlf_and_lf_files_give_the_same_ids(tmp_path):
         assert np.array_equal(lf, read_bin(tmp_path / "cr" / f"{split}.bin"))
 
 
+def test_a_utf8_byte_order_mark_is_not_read_as_text(tmp_path):
+    """Notepad's 'UTF-8 with BOM' and many Gutenberg files start with EF BB BF (datasets#8241):
+    the same text with and without it gives the same ids, and a JSONL file with it is read."""
+    text = make_corpus(200)
+    (tmp_path / "plain.txt").write_bytes(text.encode())
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    for name in ("plain", "bom"):
+        text_prepare.main([f"--input={tmp_path / name}.txt", "--vocab_size=0", f"--out_dir={tmp_path / name}"])
+    for split in ("train", "val"):
+        assert np.array_equal(read_bin(tmp_path / "plain" / f"{split}.bin"), read_bin(tmp_path / "bom" / f"{split}.bin"))
+    train, val = stories(10, seed=5), stories(3, seed=6)
+    for name, items in (("a-train", train), ("a-valid", val)):
+        write_tinystories_txt(tmp_path / f"{name}.txt", items)
+        raw = (tmp_path / f"{name}.txt").read_bytes()
+        (tmp_path / f"{name}.txt").write_bytes(b"\xef\xbb\xbf" + raw)
+        assert list(ts_prepare.read_txt(tmp_path / f"{name}.txt")) == items  # not "\ufeff" + the first story
+        rows = b"".join(json.dumps({"text": s}).encode() + b"\n" for s in items)
+        (tmp_path / f"{name}.jsonl").write_bytes(b"\xef\xbb\xbf" + rows)
+        assert list(ts_prepare.read_jsonl(tmp_path / f"{name}.jsonl")) == items  # refused as not JSON before
+
+
 def test_tinystories_crlf_val_file_holds_no_carriage_returns(tmp_path, enc):
     train, val = stories(20, seed=7), stories(4, seed=8)
     write_tinystories_txt(tmp_path / "a-train.txt", train)

@@ -5,10 +5,12 @@ import copy
 import errno
 import os
 import subprocess
+import json
 import sys
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -412,6 +414,41 @@ def trained(tmp_path_factory):
     return out / 'ckpt.pt'
 
 
+def test_folds_check_reads_the_runs_val_tokens_and_other_data_under_its_name_is_not_read(trained, tmp_path):
+    """nanoGPT#483's IndexError: fold.py's check fed a val.bin with ids >= vocab_size to the model
+    when the dataset's name was prepared again with another vocabulary."""
+    import shutil
+    ck = torch.load(trained, weights_only=True)
+    T, V = ck['model_args']['block_size'], ck['model_args']['vocab_size']
+    folder = Path(ck['config']['data_dir']) / ck['config']['dataset']
+    tokens, source = fold.check_batch(ck, 3, 0)
+    assert source == str(folder / 'val.bin') and tokens.shape == (3, T)
+    val = torch.from_numpy(np.fromfile(folder / 'val.bin', dtype=np.uint16).astype(np.int64))
+    windows = val.unfold(0, T, 1)
+    assert all((windows == row).all(1).any() for row in tokens)  # each row is a window of val.bin
+
+    data = tmp_path / 'data'
+    shutil.copytree(folder, data / 'words')
+    moved = {**ck, 'config': {**ck['config'], 'data_dir': str(data)}}
+    assert fold.check_batch(moved, 3, 0)[1] == str(data / 'words' / 'val.bin')  # the same data elsewhere: read
+    meta = json.loads((data / 'words' / 'meta.json').read_text())
+    # the name prepared again with a larger vocabulary: another meta.json, ids past the model's
+    (data / 'words' / 'meta.json').write_text(json.dumps({**meta, 'vocab_size': 4 * V}))
+    np.arange(V, V + 4 * T, dtype=np.uint16).tofile(data / 'words' / 'val.bin')
+    tokens, source = fold.check_batch(moved, 3, 0)
+    assert source.startswith('random tokens') and 'is not the data the run trained on' in source
+    assert tokens.shape == (3, T) and 0 <= tokens.min() and tokens.max() < V
+    # a checkpoint that records no meta: the ids themselves give it away
+    bare = {k: v for k, v in moved.items() if k != 'meta'}
+    tokens, source = fold.check_batch(bare, 3, 0)
+    assert source.startswith('random tokens') and f'ids >= the model\'s vocab_size = {V}' in source
+    assert tokens.max() < V
+    path = tmp_path / 'other.pt'
+    save_checkpoint(moved, str(path))
+    report = fold.main([f'--ckpt={path}', f'--out={tmp_path / "folded.pt"}'])  # an IndexError before
+    assert report['max_abs_logit_diff'] < 1e-4 * max(1.0, report['max_abs_logit'])
+
+
 def test_fold_and_sample_scripts_end_to_end(trained, tmp_path, capsys):
     out = tmp_path / 'folded.pt'
     report = fold.main([f'--ckpt={trained}', f'--out={out}'])
@@ -474,6 +511,8 @@ def test_a_prompt_file_that_is_not_utf8_is_one_line_naming_the_conversion(tmp_pa
     assert str(e.value) == (f"--start=FILE:{prompt}: the prompt file is not UTF-8 text (byte 20: invalid "
                             f"continuation byte); convert it, e.g. iconv -f ITS_ENCODING -t UTF-8 {prompt} > prompt.txt")
     prompt.write_text('Once upon a time, Zoë', encoding='utf-8')
+    assert sample.read_prompt(f'FILE:{prompt}') == 'Once upon a time, Zoë'
+    prompt.write_bytes(b'\xef\xbb\xbf' + 'Once upon a time, Zoë'.encode())  # Notepad's BOM is not prompt text
     assert sample.read_prompt(f'FILE:{prompt}') == 'Once upon a time, Zoë'
 
 

@@ -390,6 +390,11 @@ def test_the_estimate_counts_the_steps_and_forward_batches_left(tmp_path, capsys
     assert capsys.readouterr().out.splitlines() == [  # 13 × 5 + (3 × 2 + 16 + 88) × 2 = 285 s, below 400: no warning
         'estimate: 5 min left: 13 steps at 5 s and 110 forward batches (evaluations, calibration, final losses) '
         'at 2 s, from iterations 1–2']
+    resumed = runs.Progress(cfg, SimpleNamespace(world=1, master=True, device_type='cpu'), str(tmp_path))
+    resumed.evaluation_batch(8, 2.0)  # a resume at 8, past the calibrate event: 2 × 2 − 1 + 88 = 91 batches
+    assert capsys.readouterr().out.splitlines() == [  # 8 × 12 + 91 × 2 = 278 s
+        'estimate: 5 min left: 8 steps at 12 s and 91 forward batches (evaluations, final losses) at 2 s, from the '
+        'first evaluation batch alone (a first-batch figure, often high; a second estimate follows after 3 steps)']
 
 
 def test_each_logged_step_says_the_share_done_the_time_elapsed_and_the_time_left(tmp_path, capsys):
@@ -740,6 +745,25 @@ def test_every_script_that_compiles_checks_the_compiler_before_its_first_model(t
 def test_misleading_inputs_get_the_message_the_user_needs(args, message):
     with pytest.raises(SystemExit, match=message.replace('?', r'\?').replace('.', r'\.')):
         train.load_config(args)
+
+
+def test_a_config_file_named_without_its_folder_is_found_for_the_user(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        train.load_config(['smoke.py'])
+    shipped = os.path.relpath(os.path.join(ROOT, 'config', 'smoke.py'))
+    assert str(e.value) == (f"config error: config file 'smoke.py' not found (paths are relative to the current "
+                            f"folder): did you mean {shipped}?")
+    with pytest.raises(SystemExit) as e:
+        train.load_config(['no_such_config.py'])
+    assert 'did you mean' not in str(e.value)
+
+
+def test_a_config_file_saved_with_a_byte_order_mark_runs_as_python_runs_it(tmp_path):
+    path = tmp_path / 'notepad.py'
+    path.write_bytes(b'\xef\xbb\xbfmax_iters = 17\n')  # UTF-8 with BOM: Windows Notepad's "UTF-8 with BOM"
+    assert subprocess.run([sys.executable, str(path)]).returncode == 0  # Python itself runs it
+    assert train.load_config([str(path)]).max_iters == 17
 
 
 @pytest.mark.parametrize('source, line, error', [

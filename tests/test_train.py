@@ -483,6 +483,17 @@ def test_missing_dataset_names_the_prepare_command(tmp_path):
         train.main([f'--data_dir={tmp_path}', '--dataset=austen', '--device=cpu'])
 
 
+def test_a_misspelled_dataset_names_the_prepared_one_nearest_it(toy_data):
+    with pytest.raises(SystemExit) as e:
+        train.main([f'--data_dir={toy_data}', '--dataset=tpy', '--device=cpu'])
+    assert str(e.value).startswith(f"{toy_data}/tpy/train.bin not found. Did you mean --dataset=toy (prepared in "
+                                   f"{toy_data})? Otherwise prepare the dataset first:")
+    (toy_data / 'tpo').mkdir()  # a folder without meta.json is not a prepared dataset
+    with pytest.raises(SystemExit) as e:
+        train.main([f'--data_dir={toy_data}', '--dataset=abcd', '--device=cpu'])
+    assert 'Did you mean' not in str(e.value) and 'Prepare the dataset first' in str(e.value)
+
+
 def test_resume_uses_the_stored_config_and_lists_every_difference(toy_data, tmp_path):
     out = tmp_path / 'run'
     train.main(toy_args(toy_data, out, max_iters=12))

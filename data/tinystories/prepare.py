@@ -67,7 +67,8 @@ def read_txt(path):
     stripped; an empty story between two markers is yielded as "" (encode_documents skips and
     counts it), whitespace after the last marker is not a story. Reads READ_BYTES at a time."""
     # a stray bad byte in a multi-GB download should not abort the run; it becomes U+FFFD
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    # -sig: a leading byte-order mark (Notepad's, Gutenberg's) is dropped, not trained on
+    decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="replace")
     rest = ""
     with open(path, "rb") as f:
         while True:
@@ -84,7 +85,7 @@ def read_txt(path):
 def read_jsonl(path):
     """Stories (the `text` field, stripped; null is "") of a JSON Lines file; SystemExit on a
     malformed line."""
-    with open(path, encoding="utf-8", errors="replace") as f:  # a stray bad byte: U+FFFD, as in read_txt
+    with open(path, encoding="utf-8-sig", errors="replace") as f:  # a bad byte: U+FFFD; a BOM: dropped, as in read_txt
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
