@@ -87,6 +87,22 @@ def test_kv_cache_greedy_decoding_equals_full_recompute(taper):
     assert_close(torch.cat(steps, dim=1), full_logits[:, 4:], rtol=1e-5, atol=tol)
 
 
+def test_decoding_inside_autocast_matches_the_full_forward_under_it():
+    """nanoGPT's sample.py calls generate inside torch.autocast: the bf16 keys and values go into
+    the fp32 cache (an index_copy_ dtype error before), and the cached logits are the full forward's."""
+    model = linear_phase(taper='internal')
+    seq = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
+        full_logits, _ = model(seq, seq)
+        model.setup_caches(2, 24)
+        steps = [model(seq[:, :5], input_pos=torch.arange(5))[0]]
+        steps += [model(seq[:, [t]], input_pos=torch.tensor([t]))[0] for t in range(5, 24)]
+        out = model.generate(seq[:, :5], 10, temperature=0)
+    tol = 2e-2 * full_logits.abs().max().item()  # bf16's rounding, on different (equal in exact math) paths
+    assert_close(torch.cat(steps, dim=1).float(), full_logits[:, 4:].float(), rtol=2e-2, atol=tol)
+    assert out.shape == (2, 15) and torch.equal(out[:, :5], seq[:, :5])
+
+
 def test_prefill_and_decode_steps_advance_the_position_in_place():
     model = linear_phase(taper='all')
     prompt = torch.randint(0, 96, (3, 6), generator=torch.Generator().manual_seed(3))
