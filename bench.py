@@ -52,13 +52,13 @@ from functools import partial
 import torch
 
 from baselines import NORM_FREE
-from benchkit import (calibrated_model, conditions, default_trials, interleaved, median_ratio_interval, print_conditions,
-                      print_profile, random_tokens, sync, with_peak)
+from benchkit import (calibrated_model, conditions, default_trials, device_name, interleaved, median_ratio_interval,
+                      print_conditions, print_profile, random_tokens, with_peak)
 from configurator import (ConfigError, check_compiler, configure, defaults_of, keys_set, resolve_device, set_tf32,
                           run_command, uses_tf32)
 from fold import CheckError, fold_model, max_logit_error, tensor_bytes
 from model import GPT, LADDER, GPTConfig, TaperScale, decode_n_tokens, decode_one_token, prefill, unfused
-from runs import load_model, out_of_memory
+from runs import load_model, out_of_memory, sync
 
 # -----------------------------------------------------------------------------
 mode = 'decode'         # 'decode': KV-cached decoding | 'train': an optimizer step per variant and phase
@@ -386,7 +386,7 @@ def main(argv):
     print_table(results)
     if cfg.profile:
         profile_step(models, steps if flags[-1] else None, prompts, device_type)
-    record = {'device': torch.cuda.get_device_name(dev) if device_type == 'cuda' else f'cpu ({os.cpu_count()} cores)',
+    record = {'device': device_name(dev),
               'torch': torch.__version__, 'conditions': machine, 'mode': 'decode',
               'config': dict(size=cfg.size, **{k: arch[k] for k in SHAPE}, batch_size=B, prompt_len=P, new_tokens=N,
                              dtype=dt, tf32=tf32, trials=cfg.trials, seed=cfg.seed, mode='decode', compile=cfg.compile,

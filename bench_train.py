@@ -44,12 +44,12 @@ import torch
 from tqdm import tqdm
 
 import train
-from benchkit import (calibrated_model, conditions, default_trials, interleaved, print_conditions, print_profile,
-                      random_tokens, sync, with_peak)
+from benchkit import (calibrated_model, conditions, default_trials, device_name, interleaved, print_conditions,
+                      print_profile, random_tokens, with_peak)
 from configurator import check_compiler
 from fold import tensor_bytes
 from model import GPT, PHASES, GPTConfig
-from runs import compile_model, out_of_memory, setup
+from runs import compile_model, out_of_memory, setup, sync
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 VARIANT_CONFIGS = {'baseline': ['config/tinystories_baseline.py'], 'internal': ['config/tinystories_internal_taper.py'],
@@ -307,7 +307,7 @@ def main(cfg, arch, flags):
                          "--batch_size (or --block_size, or --size)") from None
     projection = projected_run(results, sched)
     print_table(results, sched, projection)
-    device = torch.cuda.get_device_name(env.dev) if env.device_type == 'cuda' else f'cpu ({os.cpu_count()} cores)'
+    device = device_name(env.dev)
     record = {'device': device, 'torch': torch.__version__, 'conditions': machine, 'mode': 'train',
               'config': dict(size=cfg.size, **arch, batch_size=B, dtype=env.dtype, tf32=env.tf32, trials=cfg.trials,
                              warm_ups=WARM_UPS, seed=cfg.seed, mode='train', compile=cfg.compile, schedule=sched),

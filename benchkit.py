@@ -1,6 +1,6 @@
 """
 What bench.py's two modes (decode, train) share, each in one place: random tokens, a TaperNorm model
-calibrated through the model's own path, the device sync, interleaved trials after warm-up calls,
+calibrated through the model's own path, interleaved trials after warm-up calls (runs.sync waits for the device),
 the peak memory of a call (CUDA), and the conditions a timing ran under (threads, CPU, its kernel
 ISA, the load average) with the rule that calls a machine too busy for a ratio to mean anything.
 
@@ -48,12 +48,6 @@ def calibrated_model(model_args, seed):
     model.set_collect(None)
     model.calibrate('end')
     return model
-
-
-def sync(device_type):
-    """Wait for the device's queued work (CUDA, MPS), so that a host clock read after it counts it."""
-    if device_type in ('cuda', 'mps'):
-        getattr(torch, device_type).synchronize()
 
 
 def interleaved(runs, trials, warm_ups, after_warm_up=None):
@@ -148,6 +142,15 @@ def cpu_model():
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def device_name(dev):
+    """What a timing ran on, for its record: the GPU's name on CUDA, 'mps (Apple silicon, N cores)'
+    on MPS, 'cpu (N cores)' on the CPU, so that no Mac's figures read as a CPU's."""
+    kind = torch.device(dev).type
+    if kind == 'cuda':
+        return torch.cuda.get_device_name(dev)
+    return f"mps (Apple silicon, {os.cpu_count()} cores)" if kind == 'mps' else f'cpu ({os.cpu_count()} cores)'
 
 
 def conditions():

@@ -273,6 +273,26 @@ COMPILER_NEEDS = {'cpu': "inductor builds C++ on the CPU: it needs a working C++
                   'cuda': "inductor builds Triton kernels on CUDA: it needs the triton package matching this torch"}
 
 
+def cache_fault(error):
+    """Whether a failed compile failed at its cache folder, not at the compiler: a file-system
+    error (no such folder, no permission) or a built kernel the loader may not map (noexec),
+    anywhere in the exception's chain."""
+    while error is not None:
+        if isinstance(error, OSError) or 'failed to map segment' in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def inductor_cache():
+    """The folder inductor compiles into (TORCHINDUCTOR_CACHE_DIR, or its default under the temp folder)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: moved before, may again
+        return cache_dir()
+    except Exception:
+        return os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'its cache folder (TORCHINDUCTOR_CACHE_DIR)')
+
+
 def check_compiler(device, off='--compile=False'):
     """SystemExit with one line unless torch.compile works on device (inductor needs a C++ compiler
     on the CPU, Triton on CUDA): compiles a one-line function once, a second or two. Every script
@@ -284,6 +304,9 @@ def check_compiler(device, off='--compile=False'):
     except Exception as e:  # inductor raises many kinds; the first line of its message says which
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         need = COMPILER_NEEDS.get(torch.device(device).type, "inductor could not build kernels for it with this torch")
+        if cache_fault(e):  # pytorch#91005, #123054: not the compiler, where its output goes
+            need = (f"inductor writes its kernels to {inductor_cache()} and loads them from there: set "
+                    "TORCHINDUCTOR_CACHE_DIR to a folder you can write, on a file system not mounted noexec")
         raise SystemExit(f"config error: torch.compile does not work on {device} here ({first[:200]}); "
                          f"{need}; {off} runs without it") from None
 

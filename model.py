@@ -545,13 +545,13 @@ class GPT(nn.Module):
 
         Call once after every optimizer step of the gate warmup, whose forwards ran under
         set_collect('calibration'). The step's statistics are the mean over its micro-batches
-        and ranks. If no collecting forward ran since the last call: on the CPU a RuntimeError
-        here; on CUDA a device-side assert (no host sync each step), which surfaces at the next
-        synchronization and leaves the CUDA context unusable.
+        and ranks. If no collecting forward ran since the last call: on the CPU and MPS a
+        RuntimeError here; on CUDA a device-side assert (no host sync each step), which surfaces at
+        the next synchronization and leaves the CUDA context unusable.
         """
         means, n_micro = step_statistics(self)
         message = "calibration_step() without a forward under set_collect('calibration')"
-        if n_micro.device.type == 'cpu':
+        if n_micro.device.type in ('cpu', 'mps'):  # MPS: older torch releases lack its _assert_async kernel
             if n_micro.item() == 0:
                 raise RuntimeError(message)
         else:  # checked on the device: .item() would stop the host every warmup step

@@ -413,6 +413,10 @@ def setup(cfg):
     dtype, tf32 (configurator.set_tf32), device_type, ddp, rank, local_rank, world, master,
     autocast, compile."""
     ddp = int(os.environ.get('RANK', -1)) != -1
+    if ddp and (missing := [k for k in ('LOCAL_RANK', 'WORLD_SIZE') if k not in os.environ]):
+        # a launcher (or a shell's leftover export) set RANK without torchrun's other variables
+        raise SystemExit(f"RANK={os.environ['RANK']} is set but {' and '.join(missing)} not: a distributed run "
+                         "starts with torchrun (which sets all three); for one process, unset RANK")
     rank, local_rank, world = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
     dev, dt = resolve_device(cfg.device, cfg.dtype, local_rank if ddp else None)
     device_type = torch.device(dev).type
@@ -427,6 +431,13 @@ def setup(cfg):
     return SimpleNamespace(dev=dev, dtype=dt, tf32=tf32, device_type=device_type, ddp=ddp, rank=rank,
                            local_rank=local_rank, world=world, master=rank == 0, autocast=autocast,
                            compile=device_type == 'cuda' if cfg.compile == 'auto' else cfg.compile)
+
+
+def sync(device_type):
+    """Wait for the device's queued work (CUDA, MPS: both run asynchronously), so that a host clock
+    read after it counts that work; a no-op on the CPU."""
+    if device_type in ('cuda', 'mps'):
+        getattr(torch, device_type).synchronize()
 
 
 # versions of GPT.forward one run compiles: a tapered run 8 (training and evaluation in each of
@@ -1115,9 +1126,9 @@ class Run:
 
     def step_took(self, it, t0, synchronize):
         """Seconds since t0 (perf_counter) of training step it, for Progress and its log record; on
-        CUDA, synchronize=True waits for the device first (logged steps only: one sync less per step)."""
-        if synchronize and self.env.device_type == 'cuda':
-            torch.cuda.synchronize()
+        CUDA and MPS, synchronize=True waits for the device first (logged steps only: one sync less per step)."""
+        if synchronize:
+            sync(self.env.device_type)
         seconds = time.perf_counter() - t0
         self.progress.step(it, seconds)
         return seconds

@@ -45,8 +45,8 @@ from configurator import (ConfigError, changed_keys, check_compiler, config_file
 from gpt2 import GPT2_MODELS, PRETRAINED_SHAPE, PretrainedError, from_pretrained, pretrained_args
 from model import GPT, GPTConfig, branch_mismatch
 from runs import (Run, Stopped, batch_rng, check_same_data, compile_model, end_processes, final_losses, final_record,
-                  find_dataset, load_weights, model_from_state_dict, resume_command, resume_config, setup, windows,
-                  wrap_ddp)
+                  find_dataset, load_weights, model_from_state_dict, resume_command, resume_config, setup, sync,
+                  windows, wrap_ddp)
 
 # -----------------------------------------------------------------------------
 # data
@@ -391,8 +391,7 @@ def estimate_val_loss(fwd_model, raw_model, folder, cfg, env, first_batch=None):
                 fwd_model(x, y)
             losses.append(raw_model.last_metrics.ce)
             if k == timed and first_batch is not None:
-                if env.device_type == 'cuda':
-                    torch.cuda.synchronize()
+                sync(env.device_type)  # CUDA, MPS: the forward is only queued until then
                 first_batch(time.perf_counter() - t0)
     finally:  # also when a signal ends the evaluation early (runs.Run.evaluate)
         fwd_model.train()

@@ -93,6 +93,23 @@ def test_under_ddp_every_rank_takes_the_device_of_its_local_rank(device, stand_i
     assert configurator.resolve_device('cuda:1') == ('cuda:1', 'bfloat16')  # without DDP, the index given
 
 
+@pytest.mark.parametrize('env, missing', [({'RANK': '0', 'WORLD_SIZE': '1'}, 'LOCAL_RANK'),
+                                          ({'RANK': '0'}, 'LOCAL_RANK and WORLD_SIZE')])
+def test_rank_without_torchruns_other_variables_is_one_line(monkeypatch, env, missing):
+    """A launcher or a leftover export that sets RANK but not LOCAL_RANK (Swin-Transformer#387): a
+    KeyError from runs.setup before; now one line before any process group exists."""
+    for key in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    cfg = SimpleNamespace(device='cpu', dtype='float32', backend='auto', compile=False)
+    with pytest.raises(SystemExit) as e:
+        setup(cfg)
+    assert str(e.value) == (f"RANK=0 is set but {missing} not: a distributed run starts with torchrun (which sets "
+                            "all three); for one process, unset RANK")
+    assert not torch.distributed.is_initialized()
+
+
 def test_auto_dtype_is_bf16_only_on_a_gpu_that_has_it_natively_asking_that_gpu(stand_in_cuda, monkeypatch):
     """dtype='auto': bf16 from compute capability 8.0 (Ampere) on, float32 on a V100 (7.0) or T4
     (7.5), which emulate bf16; the capability asked is the resolved device's (rank 1: cuda:1)."""
@@ -239,15 +256,24 @@ class MPSStandIn(torch.overrides.TorchFunctionMode):
 @pytest.fixture
 def stand_in_mps(monkeypatch):
     """An Apple-silicon machine without CUDA: torch.backends.mps.is_available() is True, 'mps' is the
-    MPSStandIn device, torch.mps.synchronize() does nothing (the stand-in queues no work). A module
-    moved there swaps its parameters for OnMPS ones (torch.__future__'s swap), as a GPU's would be."""
+    MPSStandIn device, torch.mps.synchronize() only counts its calls (the stand-in queues no work)
+    and torch._assert_async refuses an MPS tensor, as torch releases before its MPS kernel did. A
+    module moved there swaps its parameters for OnMPS ones (torch.__future__'s swap), as a GPU's
+    would be. Yields the list of synchronize calls."""
+    syncs, real_assert = [], torch._assert_async
     monkeypatch.setattr(torch.backends.mps, 'is_available', lambda: True)
-    monkeypatch.setattr(torch.mps, 'synchronize', lambda: None)
+    monkeypatch.setattr(torch.mps, 'synchronize', lambda: syncs.append(None))
+
+    def assert_async(cond, *args):
+        if isinstance(cond, OnMPS):
+            raise NotImplementedError("Could not run 'aten::_assert_async.msg' with arguments from the 'MPS' backend")
+        return real_assert(cond, *args)
+    monkeypatch.setattr(torch, '_assert_async', assert_async)
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         with MPSStandIn():
-            yield
+            yield syncs
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
 
@@ -274,13 +300,19 @@ def test_the_mps_stand_in_refuses_float64_made_on_it_and_allows_it_on_the_cpu(st
     assert all(not isinstance(p, OnMPS) and p.dtype == torch.float64 for p in on_cpu)
 
 
-def test_a_run_on_mps_trains_to_its_end_and_its_final_losses_match_the_cpus(stand_in_mps, toy_data, tmp_path):
+@pytest.mark.parametrize('calibration', ['end', 'ema'])
+def test_a_run_on_mps_trains_to_its_end_and_its_final_losses_match_the_cpus(stand_in_mps, toy_data, tmp_path,
+                                                                              calibration):
     """runs.mean_ce summed the final losses in float64 on the run's device: a run on a Mac trained to its
-    last step, then raised MPS's TypeError (and again on every resume). The stand-in computes on the CPU,
-    so the same run on the CPU gives the same losses."""
-    model = train.main(toy_args(toy_data, tmp_path / 'mps', device='mps'))
+    last step, then raised MPS's TypeError (and again on every resume). 'ema' checked each warmup step
+    with torch._assert_async, which older torch lacks on MPS. The stand-in computes on the CPU, so the
+    same run on the CPU gives the same losses. Each timed step and the first evaluation batch wait for
+    MPS's queue before the clock is read (they read a queued, not a finished, step before)."""
+    model = train.main(toy_args(toy_data, tmp_path / 'mps', device='mps', calibration=calibration))
     assert all(isinstance(p, OnMPS) for p in model.parameters())  # it trained on the stand-in
-    train.main(toy_args(toy_data, tmp_path / 'cpu', device='cpu'))
+    timed = [r for r in read_log(tmp_path / 'mps') if 'step_ms' in r]
+    assert len(stand_in_mps) >= len(timed) + 1 and timed
+    train.main(toy_args(toy_data, tmp_path / 'cpu', device='cpu', calibration=calibration))
     (on_mps,), (on_cpu,) = ([r for r in read_log(tmp_path / run) if 'final_val_loss' in r] for run in ('mps', 'cpu'))
     for key in ('final_val_loss', 'final_train_loss'):
         assert on_mps[key] == pytest.approx(on_cpu[key], rel=1e-6), key
@@ -295,9 +327,12 @@ def test_fold_and_bench_on_mps_check_against_an_fp64_copy_on_the_cpu(stand_in_mp
     folded = {dev: fold.main([f'--ckpt={ckpt}', f'--out={tmp_path / dev}.pt', f'--device={dev}'])
               for dev in ('mps', 'cpu')}
     assert folded['mps'] == folded['cpu']
-    gates = {}
+    gates, devices = {}, {}
     for dev in ('mps', 'cpu'):
         capsys.readouterr()
         bench.main(TINY[:-1] + [f'--device={dev}'])
-        gates[dev] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])['gate']
+        record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        gates[dev], devices[dev] = record['gate'], record['device']
     assert gates['mps'] == gates['cpu'] and len(gates['cpu']) == 2
+    # the record says where it ran: a Mac's figures said 'cpu (N cores)'
+    assert devices['mps'].startswith('mps (Apple silicon') and devices['cpu'].startswith('cpu (')

@@ -707,6 +707,20 @@ def test_compile_without_a_cxx_compiler_is_one_line():
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and 'Traceback' not in proc.stderr
     assert '--compile=False runs without it' in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert 'it needs a working C++ compiler' in proc.stderr and 'TORCHINDUCTOR_CACHE_DIR' not in proc.stderr
+
+
+def test_compile_that_fails_at_its_cache_folder_names_the_folder_not_the_compiler(tmp_path):
+    """pytorch#91005, #123054: a cache folder inductor cannot write (or a /tmp mounted noexec) was
+    reported as a missing C++ compiler."""
+    (tmp_path / 'a_file').write_text('')
+    cache = tmp_path / 'a_file' / 'cache'  # a folder under a file: NotADirectoryError
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache))
+    proc = subprocess.run([sys.executable, '-c', 'import configurator; configurator.check_compiler("cpu")'],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f'inductor writes its kernels to {cache} and loads them from there: set TORCHINDUCTOR_CACHE_DIR' \
+        in proc.stderr and 'C++ compiler' not in proc.stderr
 
 
 @pytest.mark.parametrize('script, args, off, builder', [
