@@ -145,12 +145,12 @@ def cpu_model():
 
 
 def device_name(dev):
-    """What a timing ran on, for its record: the GPU's name on CUDA, 'mps (Apple silicon, N cores)'
-    on MPS, 'cpu (N cores)' on the CPU, so that no Mac's figures read as a CPU's."""
+    """What a timing ran on, for its record: the GPU's name on CUDA, 'mps (N CPU cores)' on MPS,
+    'cpu (N cores)' on the CPU, so that no Mac GPU's figures read as a CPU's."""
     kind = torch.device(dev).type
     if kind == 'cuda':
         return torch.cuda.get_device_name(dev)
-    return f"mps (Apple silicon, {os.cpu_count()} cores)" if kind == 'mps' else f'cpu ({os.cpu_count()} cores)'
+    return f"mps ({os.cpu_count()} CPU cores)" if kind == 'mps' else f'cpu ({os.cpu_count()} cores)'
 
 
 def conditions():

@@ -98,8 +98,8 @@ def config_error(path, e):
 def read_config(path):
     """The source of config file path; ConfigError (config_error) where it is not Python."""
     try:
-        with open(path, encoding='utf-8-sig') as f:  # -sig: Python runs a file saved with a BOM, so do we
-            source = f.read()
+        with open(path, encoding='utf-8') as f:  # not utf-8-sig, whose errors count bytes after the mark
+            source = f.read().removeprefix('\ufeff')  # Python runs a file saved with a byte-order mark: so do we
         ast.parse(source, path)
     except (SyntaxError, ValueError) as e:  # ValueError: not UTF-8, or a NUL byte
         raise config_error(path, e) from None
@@ -275,12 +275,13 @@ COMPILER_NEEDS = {'cpu': "inductor builds C++ on the CPU: it needs a working C++
 
 def cache_fault(error):
     """Whether a failed compile failed at its cache folder, not at the compiler: a file-system
-    error (no such folder, no permission) or a built kernel the loader may not map (noexec),
-    anywhere in the exception's chain."""
+    error (no such folder, no permission) or a built kernel the loader may not map (noexec), in
+    the exception or what it was raised from (its __cause__s: not __context__, which would blame
+    an OSError that inductor had handled)."""
     while error is not None:
         if isinstance(error, OSError) or 'failed to map segment' in str(error):
             return True
-        error = error.__cause__ or error.__context__
+        error = error.__cause__
     return False
 
 

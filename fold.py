@@ -20,10 +20,11 @@ a weight matrix acts the same at every position, so such a checkpoint is refused
 approximately.
 
 The script checks its work: it prints the largest |Δ logit| between the unfolded model at
-g = 0 and the folded one on a batch of the run's validation tokens (random tokens when its dataset
-is not on disk, or what is there is other data), and writes nothing if the folded model is further from an fp64 copy of the unfolded one
-than LOGIT_SLACK times the unfolded fp32 model's own error, plus LOGIT_FLOOR of the largest logit
-(max_logit_error, the check bench.py's gate runs too); then the parameter and byte counts.
+g = 0 and the folded one on a batch of the run's validation tokens (random tokens when its
+dataset is not on disk, or what is there is other data), and writes nothing if the folded model
+is further from an fp64 copy of the unfolded one than LOGIT_SLACK times the unfolded fp32 model's
+own error, plus LOGIT_FLOOR of the largest logit (max_logit_error, the check bench.py's gate runs
+too); then the parameter and byte counts.
 """
 
 import copy
@@ -186,41 +187,46 @@ def model_size(model):
 def check_batch(ckpt_dict, batch_size, seed):
     """A (batch_size, block_size) int64 batch of val tokens from the data the checkpoint trained
     on, its data_dir/dataset resolved as runs.find_dataset does. Random ids below vocab_size when
-    that val.bin is missing or shorter than block_size, or is other data: a meta.json that is not
-    the checkpoint's `meta` (runs.data_identity), or an id >= vocab_size, as when the name was
-    prepared again with another vocabulary. Returns (tokens, where they came from: the val.bin
-    path, or 'random tokens' and why)."""
+    that val.bin is missing, not whole uint16 tokens or shorter than block_size, or is other data:
+    a meta.json that is missing or not the checkpoint's `meta` (runs.data_identity), or an id >=
+    vocab_size, as when the name was prepared again with another vocabulary. Returns (tokens, where
+    they came from: the val.bin path, or 'random tokens' and why)."""
     args, cfg = ckpt_dict['model_args'], ckpt_dict.get('config', {})
-    T, V, rng = args['block_size'], args['vocab_size'], np.random.default_rng(seed)
+    T, V = args['block_size'], args['vocab_size']
     folder = os.path.join(REPO, cfg.get('data_dir', 'data'), cfg.get('dataset', ''))
     path = os.path.join(folder, 'val.bin')
     if not os.path.isfile(path):
         why = f'{path} not found'
-    elif not same_data(ckpt_dict.get('meta'), folder):
-        why = f"{folder}/meta.json is not the data the run trained on"
+    elif (other := other_data(ckpt_dict.get('meta'), folder)):
+        why = other
+    elif os.path.getsize(path) % 2 or os.path.getsize(path) // 2 < T:
+        why = f'{path} is not a whole number of tokens, at least block_size = {T}'
     else:
         data = np.memmap(path, dtype=np.uint16, mode='r')
-        if len(data) < T:
-            why = f'{path} is shorter than block_size = {T}'
-        else:
-            ix = rng.integers(len(data) - T + 1, size=batch_size)
-            tokens = torch.from_numpy(np.stack([data[i:i + T] for i in ix]).astype(np.int64))
-            if tokens.max() < V:
-                return tokens, path
-            why = f'{path} holds ids >= the model\'s vocab_size = {V}'
-    return torch.from_numpy(rng.integers(V, size=(batch_size, T))), f'random tokens: {why}'
+        ix = np.random.default_rng(seed).integers(len(data) - T + 1, size=batch_size)
+        tokens = torch.from_numpy(np.stack([data[i:i + T] for i in ix]).astype(np.int64))
+        if tokens.max() < V:
+            return tokens, path
+        why = f'{path} holds ids >= the model\'s vocab_size = {V}'
+    random = np.random.default_rng(seed).integers(V, size=(batch_size, T))
+    return torch.from_numpy(random), f'random tokens: {why}'
 
 
-def same_data(ckpt_meta, folder):
-    """Whether folder's meta.json is the dataset ckpt_meta describes (True when the checkpoint
-    records none: nothing to compare with; False when meta.json is missing or not JSON)."""
+def other_data(ckpt_meta, folder):
+    """Why folder is not the dataset ckpt_meta describes, or '' when it is (or when the checkpoint
+    records no meta: nothing to compare with)."""
     if ckpt_meta is None:
-        return True
+        return ''
+    path = os.path.join(folder, 'meta.json')
     try:
-        with open(os.path.join(folder, 'meta.json')) as f:
-            return data_identity(json.load(f)) == data_identity(ckpt_meta)
-    except (OSError, ValueError, AttributeError):
-        return False
+        with open(path) as f:
+            meta = json.load(f)
+    except OSError:
+        return f'{path} not found: what data {folder} holds is unknown'
+    except ValueError:
+        return f'{path} is not JSON: what data {folder} holds is unknown'
+    same = isinstance(meta, dict) and data_identity(meta) == data_identity(ckpt_meta)
+    return '' if same else f'{path} is not the data the run trained on'
 
 
 def validate(cfg):

@@ -297,7 +297,7 @@ class KVCache(nn.Module):
 
     def update(self, input_pos, k, v):
         """input_pos: (T,) positions; k, v: (B, n_head, T, head_dim), stored in the cache's dtype
-        (under torch.autocast they arrive in bf16/fp16; without it the cast is no op). Returns the
+        (under torch.autocast they arrive in bf16/fp16; without it the cast is a no-op). Returns the
         whole caches."""
         self.k_cache.index_copy_(2, input_pos, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(2, input_pos, v.to(self.v_cache.dtype))

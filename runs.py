@@ -114,9 +114,10 @@ def find_dataset(cfg, may_prepare, cpu_hint=''):
             raise
     for name in ('train.bin', 'val.bin', 'meta.json'):
         if not os.path.exists(os.path.join(folder, name)):
-            hint = misspelled(folder)
-            raise SystemExit(f"{os.path.join(folder, name)} not found. {hint + ' Otherwise p' if hint else 'P'}"
-                             f"repare the dataset first:\n    {prepare_command(cfg.dataset)}")
+            guess = misspelled(folder)
+            prepare = "otherwise prepare it first" if guess else "Prepare the dataset first"
+            raise SystemExit(f"{os.path.join(folder, name)} not found. {guess}{prepare}:\n"
+                             f"    {prepare_command(cfg.dataset)}")
     meta = check_dataset(folder, cfg.block_size, prepare_command(cfg.dataset))
     if cfg.init_from not in ('scratch', 'resume') and meta.get('unk_id') is not None:
         raise SystemExit(f"init_from={cfg.init_from} reads GPT-2's own token ids, but {folder} holds a compact "
@@ -126,14 +127,14 @@ def find_dataset(cfg, may_prepare, cpu_hint=''):
 
 
 def misspelled(folder):
-    """For a dataset folder that does not exist: 'Did you mean --dataset=NAME (...)?' naming the prepared
+    """For a dataset folder that does not exist: 'Did you mean --dataset=NAME (...)? ' naming the prepared
     dataset beside it (a folder with a meta.json) whose name is closest, or '' when none is close."""
     parent, name = os.path.split(os.path.normpath(folder))
     if os.path.exists(folder) or not os.path.isdir(parent):
         return ''
     prepared = [d for d in os.listdir(parent) if os.path.isfile(os.path.join(parent, d, 'meta.json'))]
     close = difflib.get_close_matches(name, prepared, n=1)
-    return f"Did you mean --dataset={close[0]} (prepared in {parent})?" if close else ''
+    return f"Did you mean --dataset={close[0]} (prepared in {parent})? " if close else ''
 
 
 def check_dataset(folder, block_size, fix):
@@ -1138,8 +1139,12 @@ class Run:
         resumed) and what comes next, fold.py then sample.py where its norms fold (TaperNorm in the
         linear phase, FakeLN), else sample.py."""
         cfg = self.cfg
-        ran = (f"iterations {self.first_iter:,}–{self.iter_num - 1:,} (resumed)" if self.first_iter else
-               f"{self.iter_num:,} iterations")
+        if not self.first_iter:
+            ran = f"{self.iter_num:,} iterations"
+        elif self.first_iter < self.iter_num:
+            ran = f"iterations {self.first_iter:,}–{self.iter_num - 1:,} (resumed)"
+        else:  # stopped after its last step (the final save, the final losses): none ran here
+            ran = f"resumed after its last iteration ({self.iter_num - 1:,}) for the final losses"
         print(f"done: {ran}, {clock(time.perf_counter() - self.progress.start)} elapsed; the trained model is "
               f"{self.ckpt_path}", flush=True)
         if phase == 'linear' or cfg.norm_removal == 'fakeln':

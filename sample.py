@@ -44,8 +44,8 @@ def read_prompt(start):
         return start
     path = os.path.expanduser(start[len('FILE:'):])  # FILE:~/prompt.txt: no shell expands it there
     try:
-        with open(path, encoding='utf-8-sig') as f:  # -sig: a byte-order mark (Notepad's) is not prompt text
-            return f.read()
+        with open(path, encoding='utf-8') as f:  # not utf-8-sig, whose errors count bytes after the mark
+            return f.read().removeprefix('\ufeff')  # a byte-order mark (Notepad's) is not prompt text
     except OSError as e:
         raise SystemExit(f"--start={start}: cannot read the prompt file ({e.strerror})")
     except UnicodeDecodeError as e:

@@ -157,16 +157,23 @@ def normalize_newlines(text):
 # byte-order marks of the encodings that are not UTF-8; UTF-32 LE's starts with UTF-16 LE's, so it comes first
 WIDE_BOMS = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16", b"\xfe\xff": "UTF-16"}
 NOT_TEXT_SHARE = 0.01  # NUL or U+FFFD in more than this share of the characters: not UTF-8 text
+# the first bytes of compressed files (a .jsonl.zst of The Pile, a .gz dump): (format, the command that decompresses)
+COMPRESSED = {b"\x28\xb5\x2f\xfd": ("zstd", "zstd -d"), b"\x1f\x8b": ("gzip", "gunzip -k"),
+              b"\xfd7zXZ\x00": ("xz", "unxz -k"), b"BZh": ("bzip2", "bunzip2 -k")}
 
 
 def check_utf8(path, sample_bytes=1 << 20):
-    """SystemExit, in one line with the iconv command that converts it, for a file that starts
-    with a UTF-16/32 byte-order mark or whose first sample_bytes decode to more than
-    NOT_TEXT_SHARE NUL or undecodable (U+FFFD) characters: UTF-16 without a mark, Latin-1, a
-    binary file. Read as UTF-8 it would be prepared into garbage tokens. Every --input of every
-    prepare script (check_inputs) and every downloaded text (read_text) goes through this."""
+    """SystemExit, in one line with the command that fixes it, for a compressed file (COMPRESSED:
+    decompress it), a file that starts with a UTF-16/32 byte-order mark, or one whose first
+    sample_bytes decode to more than NOT_TEXT_SHARE NUL or undecodable (U+FFFD) characters: UTF-16
+    without a mark, Latin-1, a binary file (iconv). Read as UTF-8 it would be prepared into garbage
+    tokens. Every --input of every prepare script (check_inputs) and every downloaded text
+    (read_text) goes through this."""
     with open(path, "rb") as f:
         head = f.read(sample_bytes)
+    if packed := next((v for magic, v in COMPRESSED.items() if head.startswith(magic)), None):
+        raise SystemExit(f"{path} is {packed[0]}-compressed: decompress it first ({packed[1]} {path}) and pass "
+                         "the file that gives")
     wide = next((name for bom, name in WIDE_BOMS.items() if head.startswith(bom)), None)
     convert = lambda source: f"convert it to UTF-8 first: iconv -f {source} -t UTF-8 {path} > {path}.utf8.txt"
     if wide:

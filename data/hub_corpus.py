@@ -14,7 +14,8 @@ the validation split; the documents after them, up to the last document end with
 val_tokens + max_tokens tokens, are the training split (at most --max_tokens tokens). Reading stops
 there, so the splits depend on the documents alone, not on how they were batched.
 
-Streaming needs the `datasets` package (pip install datasets), imported only there. Offline,
+Streaming needs the `datasets` package (pip install datasets; The Pile's .jsonl.zst files also
+zstandard), imported only there. Offline,
 --input takes local files, in order: .jsonl / .json / .parquet with a `text` column, one document
 per row, or .txt files (documents separated by <|endoftext|> lines; without one, the whole file is
 one document); a .zst file must be decompressed first (zstd -d FILE).
@@ -39,16 +40,19 @@ def offline_help(name):
             "(.jsonl / .parquet with a `text` column, or .txt)")
 
 
-def hub_documents(repo, name):
+def hub_documents(repo, name, packages=("datasets",)):
     """The `text` of every row of the hub dataset's train split, streamed (datasets,
     streaming=True): nothing is downloaded ahead. SystemExit with one line saying how to pass
-    local files when datasets is missing, the hub does not answer (common.hub_offline) or the
-    stream fails."""
-    try:
-        from datasets import load_dataset
-    except ImportError:
-        raise SystemExit(f"streaming {repo} needs the datasets package (pip install datasets). "
-                         f"{offline_help(name)}") from None
+    local files when one of `packages` is missing (The Pile's .jsonl.zst files need zstandard,
+    which datasets does not bring: without it its stream fails with "Compression type zstd not
+    supported", datasets#5388), the hub does not answer (common.hub_offline) or the stream fails."""
+    for package in packages:
+        try:
+            __import__(package)
+        except ImportError:
+            raise SystemExit(f"streaming {repo} needs the {package} package (pip install {' '.join(packages)}). "
+                             f"{offline_help(name)}") from None
+    from datasets import load_dataset
     if common.hub_offline():  # a stream has no local cache to fall back on; fail now, not after the retries
         raise SystemExit(f"cannot stream {repo}: the Hugging Face hub is out of reach (no answer, or HF_HUB_OFFLINE=1). "
                          f"{offline_help(name)}")
@@ -61,8 +65,9 @@ def hub_documents(repo, name):
                          f"{offline_help(name)}") from None
 
 
-def main(argv, name, repo, description):
-    """Prepare data/NAME (or --out_dir) from the hub dataset `repo` or --input files; returns the meta dict."""
+def main(argv, name, repo, description, packages=("datasets",)):
+    """Prepare data/NAME (or --out_dir) from the hub dataset `repo` (streamed: needs `packages`) or
+    --input files; returns the meta dict."""
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", action="append", default=[], type=os.path.expanduser,
@@ -78,13 +83,10 @@ def main(argv, name, repo, description):
         if getattr(args, key) < 1:
             raise SystemExit(f"--{key}={getattr(args, key)} must be >= 1")
     if args.input:
-        common.check_inputs(args.input, offline_help(name))
-        if packed := [p for p in args.input if p.endswith(".zst")]:
-            raise SystemExit(f"{packed[0]} is zstd-compressed: decompress it first (zstd -d {packed[0]}) "
-                             "and pass the .jsonl")
+        common.check_inputs(args.input, offline_help(name))  # a .jsonl.zst too: decompress it first
         docs, sources = read_stories(args.input), args.input
     else:
-        docs, sources = hub_documents(repo, name), [f"https://huggingface.co/datasets/{repo}"]
+        docs, sources = hub_documents(repo, name, packages), [f"https://huggingface.co/datasets/{repo}"]
     t0 = time.time()
     with common.scratch_files(args.out_dir, "stream") as scratch:
         # one stream, one pass-1 file: the validation documents first, the training ones after them

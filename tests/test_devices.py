@@ -335,4 +335,4 @@ def test_fold_and_bench_on_mps_check_against_an_fp64_copy_on_the_cpu(stand_in_mp
         gates[dev], devices[dev] = record['gate'], record['device']
     assert gates['mps'] == gates['cpu'] and len(gates['cpu']) == 2
     # the record says where it ran: a Mac's figures said 'cpu (N cores)'
-    assert devices['mps'].startswith('mps (Apple silicon') and devices['cpu'].startswith('cpu (')
+    assert devices['mps'].startswith('mps (') and devices['cpu'].startswith('cpu (')

@@ -615,6 +615,7 @@ def fake_datasets(monkeypatch, rows, calls):
         calls.append((repo, split, streaming))
         return rows
     monkeypatch.setitem(sys.modules, 'datasets', types.SimpleNamespace(load_dataset=load_dataset))
+    monkeypatch.setitem(sys.modules, 'zstandard', types.ModuleType('zstandard'))  # the Pile's, installed
     monkeypatch.setattr(owt.hub_corpus.common, 'hub_offline', lambda: False)  # the hub answers
 
 
@@ -657,23 +658,34 @@ def test_prepare_offline_names_the_exact_local_command(tmp_path, monkeypatch):
     msg = str(e.value)
     assert 'cannot stream Skylion007/openwebtext from the Hugging Face hub (ConnectionError: network is unreachable)' in msg
     assert 'python data/openwebtext/prepare.py --input=PATH/TO/openwebtext.jsonl' in msg
+    monkeypatch.setitem(sys.modules, 'zstandard', None)  # not installed: datasets does not bring it
+    with pytest.raises(SystemExit, match=r'needs the zstandard package \(pip install datasets zstandard\)\. Offline, '
+                                         r'pass local files: python data/pile/prepare\.py --input=PATH/TO/pile\.jsonl'):
+        pile.main([f'--out_dir={tmp_path}'])  # its .jsonl.zst stream failed as "zstd not supported"
     monkeypatch.setitem(sys.modules, 'datasets', None)  # not installed
     with pytest.raises(SystemExit, match=r'needs the datasets package \(pip install datasets\)\. Offline, pass '
-                                         r'local files: python data/pile/prepare\.py --input=PATH/TO/pile\.jsonl'):
-        pile.main([f'--out_dir={tmp_path}'])
+                                         r'local files: python data/openwebtext/prepare\.py'):
+        owt.main([f'--out_dir={tmp_path}'])
     assert not list(tmp_path.glob('*.bin'))
 
 
 @pytest.mark.parametrize('case, message', [
-    ('zst', r'zstd-compressed: decompress it first \(zstd -d'),
+    ('zst', r'pile.jsonl.zst is zstd-compressed: decompress it first \(zstd -d .*pile.jsonl.zst\)'),
+    ('gz', r'owt.jsonl.gz is gzip-compressed: decompress it first \(gunzip -k .*owt.jsonl.gz\)'),
     ('tiny', 'leaves no document for training'),
     ('missing', 'input file not found'),
     ('huge_doc', 'past --val_tokens, more than --max_tokens=5'),
 ])
 def test_prepare_bad_inputs_give_clear_errors(tmp_path, case, message):
-    path = tmp_path / ('pile.jsonl.zst' if case == 'zst' else 'owt.jsonl')
-    if case != 'missing':
-        path.write_text(''.join(json.dumps({'text': d}) + '\n' for d in documents(3)))
+    import gzip
+    path = tmp_path / {'zst': 'pile.jsonl.zst', 'gz': 'owt.jsonl.gz'}.get(case, 'owt.jsonl')
+    rows = ''.join(json.dumps({'text': d}) + '\n' for d in documents(3)).encode()
+    if case == 'zst':  # zstd's frame magic, then what a compressor writes: mostly undecodable bytes
+        path.write_bytes(b'\x28\xb5\x2f\xfd' + bytes(range(256)) * 40)
+    elif case == 'gz':
+        path.write_bytes(gzip.compress(rows))
+    elif case != 'missing':
+        path.write_bytes(rows)
     args = {'huge_doc': ['--val_tokens=1', '--max_tokens=5']}.get(case, [])
     with pytest.raises(SystemExit, match=message):
         owt.main([f'--input={path}', f'--out_dir={tmp_path / "o"}'] + args)

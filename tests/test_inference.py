@@ -430,7 +430,8 @@ def trained(tmp_path_factory):
     return out / 'ckpt.pt'
 
 
-def test_folds_check_reads_the_runs_val_tokens_and_other_data_under_its_name_is_not_read(trained, tmp_path):
+def test_folds_check_reads_the_runs_val_tokens_and_other_data_under_its_name_is_not_read(trained, tmp_path,
+                                                                                          monkeypatch):
     """nanoGPT#483's IndexError: fold.py's check fed a val.bin with ids >= vocab_size to the model
     when the dataset's name was prepared again with another vocabulary."""
     import shutil
@@ -447,6 +448,10 @@ def test_folds_check_reads_the_runs_val_tokens_and_other_data_under_its_name_is_
     shutil.copytree(folder, data / 'words')
     moved = {**ck, 'config': {**ck['config'], 'data_dir': str(data)}}
     assert fold.check_batch(moved, 3, 0)[1] == str(data / 'words' / 'val.bin')  # the same data elsewhere: read
+    # a relative data_dir is the repository's, as train.py reads it, wherever fold.py runs
+    relative = {**ck, 'config': {**ck['config'], 'data_dir': os.path.relpath(data, ROOT)}}
+    monkeypatch.chdir(tmp_path / 'data')
+    assert os.path.samefile(fold.check_batch(relative, 3, 0)[1], data / 'words' / 'val.bin')
     meta = json.loads((data / 'words' / 'meta.json').read_text())
     # the name prepared again with a larger vocabulary: another meta.json, ids past the model's
     (data / 'words' / 'meta.json').write_text(json.dumps({**meta, 'vocab_size': 4 * V}))
@@ -459,6 +464,14 @@ def test_folds_check_reads_the_runs_val_tokens_and_other_data_under_its_name_is_
     tokens, source = fold.check_batch(bare, 3, 0)
     assert source.startswith('random tokens') and f'ids >= the model\'s vocab_size = {V}' in source
     assert tokens.max() < V
+    for damage, why in ((lambda d: (d / 'meta.json').unlink(), 'meta.json not found'),
+                        (lambda d: (d / 'val.bin').write_bytes(b'\0' * (2 * T + 1)), 'not a whole number of tokens'),
+                        (lambda d: (d / 'val.bin').write_bytes(b''), 'not a whole number of tokens')):
+        shutil.rmtree(data / 'words')
+        shutil.copytree(folder, data / 'words')
+        damage(data / 'words')  # a memmap's ValueError, or a wrong reason, before
+        tokens, source = fold.check_batch(moved, 3, 0)
+        assert source.startswith('random tokens') and why in source and tokens.max() < V
     path = tmp_path / 'other.pt'
     save_checkpoint(moved, str(path))
     report = fold.main([f'--ckpt={path}', f'--out={tmp_path / "folded.pt"}'])  # an IndexError before
@@ -530,6 +543,9 @@ def test_a_prompt_file_that_is_not_utf8_is_one_line_naming_the_conversion(tmp_pa
     assert sample.read_prompt(f'FILE:{prompt}') == 'Once upon a time, Zoë'
     prompt.write_bytes(b'\xef\xbb\xbf' + 'Once upon a time, Zoë'.encode())  # Notepad's BOM is not prompt text
     assert sample.read_prompt(f'FILE:{prompt}') == 'Once upon a time, Zoë'
+    prompt.write_bytes(b'\xef\xbb\xbf' + 'Once upon a time, Zoë'.encode('latin-1'))
+    with pytest.raises(SystemExit, match=r'byte 23: '):  # the file's byte, the mark counted
+        sample.read_prompt(f'FILE:{prompt}')
 
 
 def test_fold_refuses_an_out_folder_it_cannot_write_before_folding(tmp_path, monkeypatch, read_only):

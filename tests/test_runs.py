@@ -211,6 +211,8 @@ def test_a_signal_after_the_loop_exits_143_with_its_line(toy_data, tmp_path, mon
     monkeypatch.undo()
     train.main([f'--out_dir={out}', '--init_from=resume'])
     assert 'final_val_loss' in read_log(out)[-1]
+    # no step ran in the resume (it said "iterations 16–15" once, and "16–16" before that)
+    assert 'done: resumed after its last iteration (15) for the final losses, ' in capfd.readouterr().out
 
 
 def test_the_resume_line_of_a_torchrun_run_is_a_torchrun_command(toy_data, tmp_path, monkeypatch, capfd):

@@ -487,10 +487,10 @@ def test_a_misspelled_dataset_names_the_prepared_one_nearest_it(toy_data):
     with pytest.raises(SystemExit) as e:
         train.main([f'--data_dir={toy_data}', '--dataset=tpy', '--device=cpu'])
     assert str(e.value).startswith(f"{toy_data}/tpy/train.bin not found. Did you mean --dataset=toy (prepared in "
-                                   f"{toy_data})? Otherwise prepare the dataset first:")
-    (toy_data / 'tpo').mkdir()  # a folder without meta.json is not a prepared dataset
+                                   f"{toy_data})? otherwise prepare it first:")
+    (toy_data / 'tpo').mkdir()  # a folder without meta.json is not a prepared dataset: not suggested for tpoo
     with pytest.raises(SystemExit) as e:
-        train.main([f'--data_dir={toy_data}', '--dataset=abcd', '--device=cpu'])
+        train.main([f'--data_dir={toy_data}', '--dataset=tpoo', '--device=cpu'])
     assert 'Did you mean' not in str(e.value) and 'Prepare the dataset first' in str(e.value)
 
 

@@ -1,7 +1,7 @@
 """
 Prepare The Pile, without its copyrighted parts (https://huggingface.co/datasets/monology/pile-uncopyrighted),
 as data/pile/{train.bin,val.bin,meta.json} in the full GPT-2 vocabulary (50257 ids), streamed from
-the Hugging Face hub (needs: pip install datasets):
+the Hugging Face hub (needs: pip install datasets zstandard; its files are .jsonl.zst):
 
     python data/pile/prepare.py                                   # 4.5M val + 200M train tokens
     python data/pile/prepare.py --max_tokens=1000000000           # more training tokens
@@ -22,7 +22,7 @@ HF_REPO = "monology/pile-uncopyrighted"
 
 
 def main(argv=None):
-    return hub_corpus.main(argv, "pile", HF_REPO, __doc__)
+    return hub_corpus.main(argv, "pile", HF_REPO, __doc__, packages=("datasets", "zstandard"))
 
 
 if __name__ == "__main__":
