@@ -61,6 +61,10 @@ def hub_documents(repo, name, packages=("datasets",)):
             yield row["text"] or ""
     except Exception as e:  # offline, DNS, HF_HUB_OFFLINE=1, a moved dataset: all mean "use local files"
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        if "Dataset scripts are no longer supported" in str(e):  # nanoGPT#633: a repo that still loads by script
+            raise SystemExit(f"cannot stream {repo}: it loads through a script, which datasets >= 4 no longer "
+                             f"runs ({reason}). pip install 'datasets<4' runs it; or pass local files: "
+                             f"{offline_help(name).removeprefix('Offline, pass local files: ')}") from None
         raise SystemExit(f"cannot stream {repo} from the Hugging Face hub ({reason}). "
                          f"{offline_help(name)}") from None
 

@@ -658,6 +658,17 @@ def test_prepare_offline_names_the_exact_local_command(tmp_path, monkeypatch):
     msg = str(e.value)
     assert 'cannot stream Skylion007/openwebtext from the Hugging Face hub (ConnectionError: network is unreachable)' in msg
     assert 'python data/openwebtext/prepare.py --input=PATH/TO/openwebtext.jsonl' in msg
+    def script_repo():  # datasets >= 4 on a repo that still has its loading script (nanoGPT#633)
+        raise RuntimeError('Dataset scripts are no longer supported, but found openwebtext.py')
+        yield
+
+    fake_datasets(monkeypatch, script_repo(), [])
+    with pytest.raises(SystemExit) as e:
+        owt.main([f'--out_dir={tmp_path / "new"}'])
+    assert str(e.value).startswith("cannot stream Skylion007/openwebtext: it loads through a script, which datasets "
+                                   ">= 4 no longer runs (RuntimeError: Dataset scripts are no longer supported, but "
+                                   "found openwebtext.py). pip install 'datasets<4' runs it; or pass local files: "
+                                   "python data/openwebtext/prepare.py --input=PATH/TO/openwebtext.jsonl")
     monkeypatch.setitem(sys.modules, 'zstandard', None)  # not installed: datasets does not bring it
     with pytest.raises(SystemExit, match=r'needs the zstandard package \(pip install datasets zstandard\)\. Offline, '
                                          r'pass local files: python data/pile/prepare\.py --input=PATH/TO/pile\.jsonl'):
