@@ -23,7 +23,6 @@ there; --readme=README.md fills the README's <!-- study:ladder:summary --> block
 runs with OMP_NUM_THREADS=threads; jobs cells run at once (2 on a 2-core machine).
 """
 
-import fcntl
 import hashlib
 import itertools
 import json
@@ -39,6 +38,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+try:
+    import fcntl  # the cells' and results.json's locks: Unix only
+except ImportError:  # Windows: tables only (--run=False); main says so before running a cell
+    fcntl = None
 
 import runs
 from configurator import configure, defaults_of, parse_args, resolve_device, uses_tf32
@@ -1150,6 +1154,9 @@ def main(argv):
         cells = on_device(cells, cfg.device, cfg.study_dir)
     os.makedirs(cfg.study_dir, exist_ok=True)
     results = Results(os.path.join(cfg.study_dir, 'results.json'))
+    if cfg.run and fcntl is None:
+        raise SystemExit("study.py runs cells on Linux and macOS only: it locks each cell and results.json with "
+                         "fcntl, which Windows lacks (run it under WSL); --run=False prints the tables here")
     if cfg.run:
         with Stop() as stop, ThreadPoolExecutor(max_workers=cfg.jobs) as pool:
             status = dict(zip(cells, pool.map(lambda n: run_cell(n, cells[n], os.path.abspath(os.path.join(

@@ -95,6 +95,21 @@ def test_two_cells_run_skip_resume_and_record_divergence(tiny_matrix, tmp_path, 
     assert (c['segments'], c['wall_s_partial']) == (2, True) and 0 < c['wall_s'] <= time.time() - t0
 
 
+def test_on_windows_the_driver_says_it_runs_no_cell_before_starting_one_and_still_tabulates(tiny_matrix, tmp_path,
+                                                                                           monkeypatch):
+    """Windows has no fcntl: `import study` failed with ModuleNotFoundError; now the tables print and
+    a run is refused in one line before any cell starts."""
+    monkeypatch.setattr(study, 'fcntl', None)
+    monkeypatch.setattr(study, 'run_cell', lambda *a: pytest.fail('a cell started'))
+    out = tmp_path / 'study'
+    with pytest.raises(SystemExit, match=r'^study.py runs cells on Linux and macOS only: .*under WSL\); --run=False'):
+        study.main(['--matrix=tiny', f'--study_dir={out}'])
+    assert study.main(['--matrix=tiny', f'--study_dir={out}', '--run=False']) == {'cells': {}}
+    no_fcntl = "import sys; sys.modules['fcntl'] = None; import study; assert study.fcntl is None"
+    root = Path(study.__file__).parent
+    assert subprocess.run([sys.executable, '-c', no_fcntl], cwd=root, capture_output=True).returncode == 0
+
+
 def test_a_diverged_cell_is_recorded_with_its_iteration_and_not_retried(tiny_matrix, tmp_path, monkeypatch):
     cells = {'all-end-s1': tiny_matrix['all-end-s1'] + ['--learning_rate=1e30', '--grad_clip=0.0']}
     monkeypatch.setitem(study.MATRICES, 'tiny', cells)
