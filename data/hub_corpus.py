@@ -35,9 +35,14 @@ VAL_TOKENS = 4_500_000    # validation tokens: about the 4.5M-token OpenWebText 
 BATCH_CHARS = common.BATCH_CHARS  # characters per encoding task (the tests use smaller ones)
 
 
-def offline_help(name):
-    return (f"Offline, pass local files: python data/{name}/prepare.py --input=PATH/TO/{name}.jsonl "
+def local_files(name):
+    """The command that prepares data/NAME from local files instead of the hub."""
+    return (f"python data/{name}/prepare.py --input=PATH/TO/{name}.jsonl "
             "(.jsonl / .parquet with a `text` column, or .txt)")
+
+
+def offline_help(name):
+    return f"Offline, pass local files: {local_files(name)}"
 
 
 def hub_documents(repo, name, packages=("datasets",)):
@@ -64,7 +69,7 @@ def hub_documents(repo, name, packages=("datasets",)):
         if "Dataset scripts are no longer supported" in str(e):  # nanoGPT#633: a repo that still loads by script
             raise SystemExit(f"cannot stream {repo}: it loads through a script, which datasets >= 4 no longer "
                              f"runs ({reason}). pip install 'datasets<4' runs it; or pass local files: "
-                             f"{offline_help(name).removeprefix('Offline, pass local files: ')}") from None
+                             f"{local_files(name)}") from None
         raise SystemExit(f"cannot stream {repo} from the Hugging Face hub ({reason}). "
                          f"{offline_help(name)}") from None
 
