@@ -200,7 +200,7 @@ def check_batch(ckpt_dict, batch_size, seed):
     elif (other := other_data(ckpt_dict.get('meta'), folder)):
         why = other
     elif os.path.getsize(path) % 2 or os.path.getsize(path) // 2 < T:
-        why = f'{path} is not a whole number of tokens, at least block_size = {T}'
+        why = f'{path} is not a whole number of tokens, or fewer than block_size = {T}'
     else:
         data = np.memmap(path, dtype=np.uint16, mode='r')
         ix = np.random.default_rng(seed).integers(len(data) - T + 1, size=batch_size)
