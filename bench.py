@@ -54,8 +54,8 @@ import torch
 from baselines import NORM_FREE
 from benchkit import (calibrated_model, conditions, default_trials, device_name, interleaved, median_ratio_interval,
                       print_conditions, print_profile, random_tokens, with_peak)
-from configurator import (ConfigError, check_compiler, configure, defaults_of, keys_set, resolve_device, set_tf32,
-                          run_command, uses_tf32)
+from configurator import (ConfigError, check_at_least, check_compiler, configure, defaults_of, keys_set,
+                          resolve_device, run_command, set_tf32, uses_tf32)
 from fold import CheckError, fold_model, max_logit_error, tensor_bytes
 from model import GPT, LADDER, GPTConfig, TaperScale, decode_n_tokens, decode_one_token, prefill, unfused
 from runs import load_model, out_of_memory, sync
@@ -96,8 +96,7 @@ def architecture(cfg):
     """configure()'s check of the settings (ConfigError names the key and the fix), and the model
     shape they give: the size's ladder row, n_layer / n_head / n_embd overriding where > 0,
     vocab_size and block_size (a dict)."""
-    if bad := [k for k in ('batch_size', 'prompt_len', 'new_tokens') if cfg[k] < 1]:
-        raise ConfigError(f"--{bad[0]}={cfg[bad[0]]} must be >= 1")
+    check_at_least(cfg, 1, ('batch_size', 'prompt_len', 'new_tokens'))
     if cfg['trials'] < 0:
         raise ConfigError(f"--trials={cfg['trials']} must be >= 1, or 0 for the default (15 on CUDA, else 5)")
     if cfg['mode'] == 'train' and cfg['ckpt']:

@@ -37,6 +37,14 @@ class ConfigError(ValueError):
         self.keys = tuple(keys)
 
 
+def check_at_least(cfg, low, keys):
+    """A validate() step: ConfigError naming the first of keys whose value in cfg (a dict) is below
+    low, or NaN (e.g. batch_size=0: a traceback deep inside numpy or an executor otherwise)."""
+    for key in keys:
+        if not cfg[key] >= low:
+            raise ConfigError(f"{key}={cfg[key]} must be >= {low}", keys=(key,))
+
+
 def defaults_block(module_globals):
     """The lines between the first two `# ----` lines of the calling script: its keys with
     their defaults and comments, as `--help` prints them."""

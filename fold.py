@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from baselines import FAKELN_EVENTS, NORM_FREE
-from configurator import ConfigError, check_out_file, configure, resolve_device, run_command, set_tf32
+from configurator import ConfigError, check_at_least, check_out_file, configure, resolve_device, run_command, set_tf32
 from model import GPTConfig
 from runs import (REPO, check_writable, data_identity, load_model, model_from_state_dict, resume_command,
                   save_checkpoint)
@@ -230,9 +230,11 @@ def other_data(ckpt_meta, folder):
 
 
 def validate(cfg):
-    """configure()'s check: --ckpt and --out given, distinct, --out a file name whose folder exists."""
+    """configure()'s check: --ckpt and --out given, distinct, --out a file name whose folder exists,
+    a check batch of at least one sequence."""
     if not cfg['ckpt'] or not cfg['out']:
         raise ConfigError("usage: python fold.py --ckpt=OUT_DIR/ckpt.pt --out=FOLDED.pt")
+    check_at_least(cfg, 1, ('batch_size',))
     check_out_file(cfg['out'], 'the file', 'folded.pt')
     if os.path.abspath(cfg['ckpt']) == os.path.abspath(cfg['out']):
         raise ConfigError("--out must differ from --ckpt: folding keeps the trained checkpoint")

@@ -532,7 +532,7 @@ def claim_out_dir(cfg, iter_num):
     file (keep it open: the lock lasts as long as this process, so a run killed with kill -9
     leaves nothing that blocks its resume); stale TEMP_FILES (a process killed mid-write) go.
     SystemExit when out_dir cannot be written (check_writable), another train.py holds it, or
-    a scratch run meets a used out_dir without --overwrite=True. On resume the log keeps only
+    a new run (from scratch or pretrained weights) meets a used out_dir without --overwrite=True. On resume the log keeps only
     the records before iter_num, so it reads as one uninterrupted run."""
     check_writable(cfg.out_dir, '--out_dir')
     lock = open(os.path.join(cfg.out_dir, '.lock'), 'a')
@@ -547,7 +547,7 @@ def claim_out_dir(cfg, iter_num):
             os.remove(os.path.join(cfg.out_dir, name))
     log_path = os.path.join(cfg.out_dir, 'log.jsonl')
     used = [p for p in (os.path.join(cfg.out_dir, 'ckpt.pt'), log_path) if os.path.exists(p)]
-    if cfg.init_from == 'scratch' and used:
+    if cfg.init_from != 'resume' and used:  # a fine-tune restarted by mistake would replace its checkpoint too
         if not cfg.overwrite:
             raise SystemExit(f"{cfg.out_dir} already holds a run ({', '.join(map(os.path.basename, used))}): "
                              f"continue it with --init_from=resume, choose another --out_dir, or replace "

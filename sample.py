@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from configurator import ConfigError, check_compiler, configure, resolve_device, run_command, set_tf32
+from configurator import ConfigError, check_at_least, check_compiler, configure, resolve_device, run_command, set_tf32
 from data.common import decode, encode_prompt
 from model import unfused
 from runs import load_model
@@ -57,9 +57,8 @@ def validate(cfg):
     """configure()'s check: a checkpoint given, and no negative count or temperature."""
     if not cfg['ckpt']:
         raise ConfigError("usage: python sample.py --ckpt=OUT_DIR/ckpt.pt [--start=...]")
-    for key, low in (('temperature', 0), ('top_k', 0), ('num_samples', 1), ('max_new_tokens', 0)):
-        if not cfg[key] >= low:
-            raise ConfigError(f"--{key}={cfg[key]} must be >= {low}")
+    check_at_least(cfg, 0, ('temperature', 'top_k', 'max_new_tokens'))
+    check_at_least(cfg, 1, ('num_samples',))
 
 
 def main(argv):

@@ -45,7 +45,7 @@ except ImportError:  # Windows: tables only (--run=False); main says so before r
     fcntl = None
 
 import runs
-from configurator import configure, defaults_of, parse_args, resolve_device, uses_tf32
+from configurator import check_at_least, configure, defaults_of, parse_args, resolve_device, uses_tf32
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -1142,7 +1142,8 @@ def write_between_markers(path, blocks):
 
 def main(argv):
     """Run (and/or tabulate) the matrix given by argv; returns the results file's contents."""
-    cfg = configure(argv, DEFAULTS, choices={'matrix': tuple(MATRICES)})
+    cfg = configure(argv, DEFAULTS, choices={'matrix': tuple(MATRICES)},
+                    validate=lambda c: check_at_least(c, 1, ('jobs', 'threads')))
     cells = MATRICES[cfg.matrix]
     if cfg.only:
         unknown = set(cfg.only.split(',')) - set(cells)

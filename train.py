@@ -40,8 +40,8 @@ import torch
 from tqdm import tqdm
 
 from baselines import FAKELN_EVENTS, NORM_FREE, fakeln_step, final_dyt_saturated, remove_norms, saturation_warning
-from configurator import (ConfigError, changed_keys, check_compiler, config_files, configure, defaults_of, keys_set,
-                          overlay_rank)
+from configurator import (ConfigError, changed_keys, check_at_least, check_compiler, config_files, configure,
+                          defaults_of, keys_set, overlay_rank)
 from gpt2 import GPT2_MODELS, PRETRAINED_SHAPE, PretrainedError, from_pretrained, pretrained_args
 from model import GPT, GPTConfig, branch_mismatch
 from runs import (Run, Stopped, batch_rng, check_same_data, compile_model, end_processes, final_losses, final_record,
@@ -54,7 +54,7 @@ dataset = 'tinystories'     # reads data_dir/dataset/{train.bin,val.bin,meta.jso
 data_dir = 'data'           # datasets live in data_dir/NAME (relative paths: to the repository)
 out_dir = 'out'             # checkpoint and log.jsonl; may name other keys: 'out-{dataset}-{taper}'
 init_from = 'scratch'       # 'scratch' | 'resume': continue out_dir/ckpt.pt with the configuration stored in it | 'gpt2' | 'gpt2-medium' | 'gpt2-large' | 'gpt2-xl' | a folder holding a transformers GPT-2 checkpoint (needs transformers; the model keys not set explicitly come from its config)
-overwrite = False           # a scratch run into an out_dir that holds a run: True deletes its ckpt.pt and log.jsonl
+overwrite = False           # a new run into an out_dir that holds a run: True deletes its ckpt.pt and log.jsonl
 # system
 device = 'auto'             # 'auto' (cuda, else mps, else cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
 dtype = 'auto'              # 'auto' (bfloat16 autocast where supported, else float32) | 'float32' | 'bfloat16'
@@ -156,15 +156,11 @@ def validate(cfg):
     if cfg['init_from'] not in ('scratch', 'resume', *GPT2_MODELS) and not os.path.isdir(cfg['init_from']):
         raise ConfigError(f"init_from={cfg['init_from']!r}: choose 'scratch', 'resume', one of {', '.join(GPT2_MODELS)} "
                           "or a folder holding a transformers GPT-2 checkpoint (config.json + weights)")
-    for key in ('batch_size', 'block_size', 'gradient_accumulation_steps', 'max_iters',
-                'eval_interval', 'eval_iters', 'log_interval', 'calib_batches'):
-        if cfg[key] < 1:
-            raise ConfigError(f"{key}={cfg[key]} must be >= 1")
+    check_at_least(cfg, 1, ('batch_size', 'block_size', 'gradient_accumulation_steps', 'max_iters',
+                            'eval_interval', 'eval_iters', 'log_interval', 'calib_batches'))
     if not cfg['learning_rate'] > 0:
         raise ConfigError(f"learning_rate={cfg['learning_rate']} must be > 0")
-    for key in ('min_lr', 'weight_decay', 'grad_clip', 'warmup_iters'):
-        if cfg[key] < 0:
-            raise ConfigError(f"{key}={cfg[key]} must be >= 0")
+    check_at_least(cfg, 0, ('min_lr', 'weight_decay', 'grad_clip', 'warmup_iters'))
     if cfg['lr_decay_iters'] <= cfg['warmup_iters']:  # above max_iters is allowed: a run cut short of its decay
         text, keys = counts('lr_decay_iters', 'warmup_iters')
         raise ConfigError(f"lr_decay_iters={cfg['lr_decay_iters']} must exceed warmup_iters={cfg['warmup_iters']}"
@@ -320,8 +316,12 @@ def build_model(cfg, model_args, ckpt, env):
     model.to(env.dev)
     optimizer = configure_optimizer(model, cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
                                     env.device_type)
-    if ckpt is not None:
-        optimizer.load_state_dict(ckpt['optimizer'])
+    if ckpt is not None:  # the saved state, with this device's kernels: load_state_dict would take the
+        # saver's flags, so a run resumed on another device kept a fused AdamW on the CPU or lost it on CUDA
+        impl = [{k: g[k] for k in ('fused', 'foreach', 'capturable') if k in g} for g in optimizer.param_groups]
+        saved = ckpt['optimizer']
+        optimizer.load_state_dict({**saved, 'param_groups': [s | i for s, i in zip(saved['param_groups'], impl,
+                                                                                      strict=True)]})
     return model, optimizer
 
 

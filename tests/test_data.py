@@ -251,7 +251,7 @@ def test_offline_without_tiktokens_files_a_script_says_so_in_one_line_and_the_te
                         *[f"tests/test_data.py::{t}" for t in tests]], cwd=REPO, env=offline_env(tmp_path / "cache"),
                        capture_output=True, text=True, timeout=300)
     out = r.stdout + r.stderr
-    assert r.returncode == 0 and "1 passed, 2 skipped" in out.splitlines()[-1], out
+    assert r.returncode == 0 and "1 passed, 2 skipped" in r.stdout.splitlines()[-1], out  # plugins may warn on stderr
     assert [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("SKIPPED")] == [common.NO_BPE]
     assert out.count("SKIPPED [2] ") == 1 and "Traceback" not in out and "Error" not in out, out
 

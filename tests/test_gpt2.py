@@ -335,6 +335,13 @@ def test_train_from_a_pretrained_folder_takes_its_shape_and_starts_from_its_weig
     # a resumed run rebuilds the same model from its checkpoint (no transformers involved)
     resumed = train.main([f'--out_dir={out}', '--init_from=resume'])
     assert resumed.config == model.config
+    # the same fine-tune started again (not resumed) would replace the checkpoint: refused, as a scratch run is
+    before = (out / 'log.jsonl').read_text()
+    with pytest.raises(SystemExit, match=r'already holds a run \(ckpt.pt, log.jsonl\): continue it with --init_from=resume'):
+        train.main(toy_args(toy_data, out, init_from=folder, max_iters=2))
+    assert (out / 'log.jsonl').read_text() == before
+    train.main(toy_args(toy_data, out, init_from=folder, max_iters=2, overwrite=True))
+    assert [r['iter'] for r in read_log(out) if 'final_val_loss' in r] == [2]  # only the new run
 
 
 @needs_transformers

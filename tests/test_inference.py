@@ -591,6 +591,9 @@ def test_fold_writes_nothing_when_its_check_fails(trained, tmp_path, monkeypatch
     assert not out.exists()
     with pytest.raises(SystemExit, match='folder does not exist'):
         fold.main([f'--ckpt={trained}', f'--out={tmp_path / "no" / "such.pt"}'])
+    for n in (0, -1):  # numpy's 'need at least one array to stack' / 'negative dimensions' before
+        with pytest.raises(SystemExit, match=f'config error: batch_size={n} must be >= 1; set by --batch_size={n}'):
+            fold.main([f'--ckpt={trained}', f'--out={out}', f'--batch_size={n}'])
     for folder in (str(tmp_path), f'{tmp_path / "new"}/'):  # was a traceback from os.replace, after the fold
         with pytest.raises(SystemExit) as e:
             fold.main([f'--ckpt={trained}', f'--out={folder}'])

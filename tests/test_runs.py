@@ -8,6 +8,7 @@ import io
 import json
 import os
 import queue
+import random
 import signal
 import subprocess
 import sys
@@ -527,11 +528,11 @@ def test_data_paths_do_not_depend_on_the_working_folder(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize('content, message', [
     (b'', 'is not a readable checkpoint (truncated or corrupt)'),
-    (os.urandom(4096), 'is not a readable checkpoint (truncated or corrupt)'),
+    (random.Random(0).randbytes(4096), 'is not a readable checkpoint (truncated or corrupt)'),
     (None, 'is not a tapernorm checkpoint: it lacks model_args'),
     ({'h.1.w': [1.0, float('nan')], 'h.2.w': [float('-inf')], 'h.3.w': [1.0]},
      'its weights hold NaN or inf (h.1.w and 1 more), which no script can use'),
-])
+], ids=['empty', 'random bytes', 'no model_args', 'nan weights'])  # fixed ids: pytest-xdist's workers must collect the same tests
 def test_one_checkpoint_loader_with_one_line_errors(tmp_path, content, message):
     path = tmp_path / 'ckpt.pt'
     if content is None:

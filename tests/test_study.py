@@ -65,6 +65,10 @@ def test_two_cells_run_skip_resume_and_record_divergence(tiny_matrix, tmp_path, 
 
     with pytest.raises(SystemExit, match="only='nope': nope not in matrix 'tiny'"):
         study.main(['--matrix=tiny', f'--study_dir={out}', '--only=nope'])
+    for bad in ('--jobs=0', '--threads=0'):  # a ValueError from the executor, or cells with OMP_NUM_THREADS=0
+        with pytest.raises(SystemExit) as e:
+            study.main(['--matrix=tiny', f'--study_dir={out}', bad])
+        assert str(e.value) == f'config error: {bad[2:]} must be >= 1; set by {bad} ({bad[2:].split("=")[0]})'
     # a finished cell is skipped: nothing is appended to its log
     before = (out / 'all-end-s1' / 'log.jsonl').read_text()
     study.main(['--matrix=tiny', f'--study_dir={out}', '--table=False'])

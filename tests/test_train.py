@@ -524,6 +524,28 @@ def test_resume_on_another_number_of_processes_is_refused(toy_data, tmp_path):
     assert train.main([f'--out_dir={out}', '--init_from=resume']).phase == 'linear'
 
 
+def test_a_resume_on_another_device_keeps_the_saved_adam_state_and_takes_this_devices_kernel(toy_data, tmp_path,
+                                                                                          monkeypatch):
+    """A CUDA run saves its AdamW groups with fused=True; resumed on the CPU, the moments and step
+    counts are the saved ones but the kernel is the CPU's (fused=False), as a fresh run here builds it."""
+    out = tmp_path / 'run'
+    train.main(toy_args(toy_data, out, max_iters=12))
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+    ckpt['iter_num'] = 6
+    for group in ckpt['optimizer']['param_groups']:
+        group['fused'] = True  # as configure_optimizer builds it on CUDA
+    torch.save(ckpt, out / 'ckpt.pt')
+    built = []
+    configure = train.configure_optimizer
+    monkeypatch.setattr(train, 'configure_optimizer', lambda *a: built.append(configure(*a)) or built[-1])
+    train.main([f'--out_dir={out}', '--init_from=resume'])
+    (optimizer,) = built
+    assert [g['fused'] for g in optimizer.param_groups] == [False, False]
+    saved = {k: v['step'].item() for k, v in ckpt['optimizer']['state'].items()}
+    resumed = {k: v['step'].item() for k, v in optimizer.state_dict()['state'].items()}
+    assert all(saved[k] < resumed[k] <= saved[k] + 6 for k in saved)  # the saved counts, then iterations 6-11 again
+
+
 def test_main_command_prepares_tinystories_when_missing(tmp_path, monkeypatch):
     """`python train.py config/tinystories_*.py` on a fresh machine downloads and prepares first."""
     import sys
