@@ -257,6 +257,8 @@ def configure(argv, module_globals, choices=None, validate=None):
     origins = {}
     try:
         cfg = parse_args(argv, defaults_of(module_globals), choices, origins=origins)
+        if 'seed' in cfg and not 0 <= cfg['seed'] < 2 ** 63:  # every script's seed seeds torch and numpy
+            raise ConfigError(f"seed={cfg['seed']} must be in [0, 2**63): torch and numpy take no other", ('seed',))
         if validate is not None:
             validate(cfg)
     except ConfigError as e:

@@ -229,15 +229,29 @@ def other_data(ckpt_meta, folder):
     return '' if same else f'{path} is not the data the run trained on'
 
 
+def is_folded_checkpoint(path):
+    """Whether path holds a checkpoint fold.py wrote (model_args['folded']); False for anything else,
+    unreadable files included."""
+    try:
+        ck = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+    except Exception:  # not a zip checkpoint, not torch's, unreadable: not ours to replace
+        return False
+    return isinstance(ck, dict) and isinstance(ck.get('model_args'), dict) and bool(ck['model_args'].get('folded'))
+
+
 def validate(cfg):
-    """configure()'s check: --ckpt and --out given, distinct, --out a file name whose folder exists,
-    a check batch of at least one sequence."""
+    """configure()'s check: --ckpt and --out given, distinct (a link to --ckpt too), --out a file name
+    whose folder exists and, where it exists, an earlier fold (anything else there is kept: a run's
+    log or a dataset's train.bin was replaced), a check batch of at least one sequence."""
     if not cfg['ckpt'] or not cfg['out']:
         raise ConfigError("usage: python fold.py --ckpt=OUT_DIR/ckpt.pt --out=FOLDED.pt")
     check_at_least(cfg, 1, ('batch_size',))
     check_out_file(cfg['out'], 'the file', 'folded.pt')
-    if os.path.abspath(cfg['ckpt']) == os.path.abspath(cfg['out']):
+    if os.path.realpath(cfg['ckpt']) == os.path.realpath(cfg['out']):
         raise ConfigError("--out must differ from --ckpt: folding keeps the trained checkpoint")
+    if os.path.exists(cfg['out']) and not is_folded_checkpoint(cfg['out']):
+        raise ConfigError(f"--out={cfg['out']} exists and is not a folded checkpoint: fold.py replaces only "
+                          f"its own output; choose another --out")
     if not os.path.isdir(os.path.dirname(os.path.abspath(cfg['out']))):
         raise ConfigError(f"--out={cfg['out']}: its folder does not exist; create it first")
 

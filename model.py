@@ -233,8 +233,8 @@ class GPTConfig:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
         if self.dyt_alpha0_scale <= 0:
             raise ValueError(f"dyt_alpha0_scale={self.dyt_alpha0_scale} must be > 0 (it multiplies DyT's and Derf's α₀)")
-        if self.norm_eps < 0:
-            raise ValueError(f"norm_eps={self.norm_eps} must be >= 0")
+        if not 0 <= self.norm_eps < math.inf:  # inf made every norm's output 0: a run that learned nothing, silently
+            raise ValueError(f"norm_eps={self.norm_eps} must be a finite number >= 0")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.aux_weight < 0:

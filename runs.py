@@ -740,7 +740,7 @@ def out_of_memory(e):
     """Whether exception e is an allocator's refusal: CUDA's torch.OutOfMemoryError, or the plain
     RuntimeError of the CPU allocator ("can't allocate memory") and of backends that say "out of
     memory" (MPS; inductor's wrappers keep the message)."""
-    return isinstance(e, torch.OutOfMemoryError) or (
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (  # MemoryError: numpy's (a batch's array)
         isinstance(e, RuntimeError) and ('out of memory' in str(e) or 'allocate memory' in str(e)))
 
 

@@ -412,11 +412,17 @@ def read_json(path):
         return json.load(f)
 
 
-def atomic_write_json(obj, path):
+def atomic_write(text, path):
+    """Write text to path whole or not at all (a temp file, then a rename): a stop mid-write keeps
+    the previous file."""
     tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-        json.dump(obj, f, indent=1)
+    with open(tmp, 'w', encoding='utf-8') as f:
+        f.write(text)
     os.replace(tmp, path)
+
+
+def atomic_write_json(obj, path):
+    atomic_write(json.dumps(obj, indent=1), path)
 
 
 def read_results(path):
@@ -427,6 +433,8 @@ def read_results(path):
             data = json.loads(f.read())
         if not isinstance(data, dict) or not isinstance(data.get('cells'), dict):
             raise ValueError("no {'cells': {...}} object")
+    except OSError as e:  # missing, a folder, unreadable (plot.py --fit/--gap/--ladder name it)
+        raise SystemExit(f"cannot read {path}: {e.strerror or e}") from None
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise SystemExit(f"{path} is not a study's results file ({e}): restore it (from git, or a backup), or "
                          f"move it away and rerun study.py, which rebuilds each finished cell's record from its "
@@ -1136,8 +1144,7 @@ def write_between_markers(path, blocks):
         start, end = marks(b)
         head, rest = doc.split(start, 1)
         doc = head + start + '\n' + blocks[b] + '\n' + end + rest.split(end, 1)[1]
-    with open(path, 'w', encoding='utf-8') as f:
-        f.write(doc)
+    atomic_write(doc, path)
 
 
 def main(argv):
@@ -1182,6 +1189,9 @@ def main(argv):
                  **{b: p for b, p in TABLES.items() if b.startswith(cfg.matrix + ':')}}
         blocks = {b: tables(done, p, cells, results.data['cells']) for b, p in parts.items()}
         print('\n\n'.join(blocks.values()))
+        if cfg.readme and not done:  # the tables would be emptied: a wrong --study_dir, most likely
+            raise SystemExit(f"no cell of matrix {cfg.matrix!r} has finished in {results.path}: {cfg.readme}'s "
+                             f"tables are kept (is --study_dir the study's folder?)")
         if cfg.readme:
             write_between_markers(cfg.readme, blocks)
     return results.data

@@ -128,8 +128,8 @@ def scale_schedule(cfg):
     (the one a checkpoint stores and a resume compares with) holds the real step counts.
     Raises ConfigError for schedule_scale <= 0."""
     scale = cfg['schedule_scale']
-    if not scale > 0:
-        raise ConfigError(f"schedule_scale={scale} must be > 0 (0.1: a tenth of every step count)")
+    if not 0 < scale < math.inf:
+        raise ConfigError(f"schedule_scale={scale} must be a finite number > 0 (0.1: a tenth of every step count)")
     if scale != 1:
         for key in SCALED_KEYS:
             cfg[key] = round(cfg[key] * scale) if key == 'warmup_iters' else max(1, round(cfg[key] * scale))
@@ -158,9 +158,12 @@ def validate(cfg):
                           "or a folder holding a transformers GPT-2 checkpoint (config.json + weights)")
     check_at_least(cfg, 1, ('batch_size', 'block_size', 'gradient_accumulation_steps', 'max_iters',
                             'eval_interval', 'eval_iters', 'log_interval', 'calib_batches'))
-    if not cfg['learning_rate'] > 0:
-        raise ConfigError(f"learning_rate={cfg['learning_rate']} must be > 0")
+    if not 0 < cfg['learning_rate'] < math.inf:
+        raise ConfigError(f"learning_rate={cfg['learning_rate']} must be a finite number > 0")
     check_at_least(cfg, 0, ('min_lr', 'weight_decay', 'grad_clip', 'warmup_iters'))
+    for key in ('beta1', 'beta2'):  # AdamW's own check was a ValueError traceback
+        if not 0 <= cfg[key] < 1:
+            raise ConfigError(f"{key}={cfg[key]} must be in [0, 1)", (key,))
     if cfg['lr_decay_iters'] <= cfg['warmup_iters']:  # above max_iters is allowed: a run cut short of its decay
         text, keys = counts('lr_decay_iters', 'warmup_iters')
         raise ConfigError(f"lr_decay_iters={cfg['lr_decay_iters']} must exceed warmup_iters={cfg['warmup_iters']}"

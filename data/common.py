@@ -22,6 +22,7 @@ How a dataset is made (both scripts):
 vocab_size = 0 keeps the full GPT-2 vocabulary (50257 ids, identity mapping, unk_id null).
 """
 
+import argparse
 import contextlib
 import errno
 import itertools
@@ -91,6 +92,14 @@ def hub_offline():
     except Exception:  # no DNS, no route, a proxy that refuses, a timeout: all mean "not now"
         return True
     return False
+
+
+def folder(text):
+    """argparse type of --out_dir: ~ expanded; an empty value is refused, where it wrote into the
+    current folder or fell back to the default without a word."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: name a folder, or leave --out_dir out for the default")
+    return os.path.expanduser(text)
 
 
 def check_vocab_size(vocab_size):

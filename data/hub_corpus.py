@@ -85,7 +85,7 @@ def main(argv, name, repo, description, packages=("datasets",)):
                         help=f"training tokens at most (default {MAX_TOKENS:,})")
     parser.add_argument("--val_tokens", type=int, default=VAL_TOKENS,
                         help=f"validation tokens at least (default {VAL_TOKENS:,}), taken first")
-    parser.add_argument("--out_dir", type=os.path.expanduser, default=os.path.join(common.DATA_DIR, name),
+    parser.add_argument("--out_dir", type=common.folder, default=os.path.join(common.DATA_DIR, name),
                         help="output folder")
     args = parser.parse_args(argv)
     for key in ("max_tokens", "val_tokens"):

@@ -288,6 +288,21 @@ def test_text_bad_inputs_give_clear_errors(tmp_path, monkeypatch, args, message)
     assert not list(tmp_path.glob("*/*.tmp")) and not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("script", ["text", "tinystories"])
+def test_an_empty_out_dir_is_refused_not_taken_as_the_default(tmp_path, monkeypatch, capsys, script):
+    """--out_dir= (a variable that was not set): text's wrote into data/NAME/ as if none were given."""
+    monkeypatch.setattr(common, "DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.txt").write_text(make_corpus())
+    prepare = {"text": text_prepare, "tinystories": ts_prepare}[script]
+    with pytest.raises(SystemExit) as e:
+        prepare.main(["--name=x", "--input=c.txt", "--out_dir="] if script == "text" else
+                     ["--input=c.txt", "--out_dir="])
+    assert e.value.code == 2 and "argument --out_dir: empty: name a folder, or leave --out_dir out for the " \
+                                 "default" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]
+
+
 # ------------------------------------------------------------------------------------------------
 # data/tinystories/prepare.py
 

@@ -591,6 +591,25 @@ def test_fold_writes_nothing_when_its_check_fails(trained, tmp_path, monkeypatch
     assert not out.exists()
     with pytest.raises(SystemExit, match='folder does not exist'):
         fold.main([f'--ckpt={trained}', f'--out={tmp_path / "no" / "such.pt"}'])
+    # --out replaces only an earlier fold: not a run's log (it exited 0, the log a checkpoint), nor the
+    # trained checkpoint through a link to it
+    log = trained.parent / 'log.jsonl'
+    before = log.read_bytes()
+    with pytest.raises(SystemExit, match=f'--out={log} exists and is not a folded checkpoint: fold.py replaces'):
+        fold.main([f'--ckpt={trained}', f'--out={log}'])
+    other_run = tmp_path / 'other_run.pt'  # a trained checkpoint, not a fold: kept too
+    other_run.write_bytes(trained.read_bytes())
+    with pytest.raises(SystemExit, match='exists and is not a folded checkpoint'):
+        fold.main([f'--ckpt={trained}', f'--out={other_run}'])
+    assert other_run.read_bytes() == trained.read_bytes()
+    (tmp_path / 'link.pt').symlink_to(trained)
+    with pytest.raises(SystemExit, match='--out must differ from --ckpt'):
+        fold.main([f'--ckpt={tmp_path / "link.pt"}', f'--out={trained}'])
+    assert log.read_bytes() == before
+    monkeypatch.setattr(fold, 'fold_state_dict', fold_properly)
+    again = tmp_path / 'again.pt'
+    for _ in range(2):  # a fold is replaced by the next one
+        fold.main([f'--ckpt={trained}', f'--out={again}'])
     for n in (0, -1):  # numpy's 'need at least one array to stack' / 'negative dimensions' before
         with pytest.raises(SystemExit, match=f'config error: batch_size={n} must be >= 1; set by --batch_size={n}'):
             fold.main([f'--ckpt={trained}', f'--out={out}', f'--batch_size={n}'])

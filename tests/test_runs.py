@@ -853,7 +853,7 @@ def test_schedule_scale_scales_every_step_count_once_and_a_resume_keeps_them(toy
             cfg.eval_interval, cfg.schedule_scale) == (150, 150, 15, 15, 75, 25, 1.0)
     import study  # the study's view of a cell is the resolved one too
     assert study.cell_config(['config/cpu.py', '--schedule_scale=2'])['max_iters'] == 3000
-    with pytest.raises(SystemExit, match=r'schedule_scale=0.0 must be > 0'):
+    with pytest.raises(SystemExit, match=r'schedule_scale=0.0 must be a finite number > 0'):
         train.load_config(['--schedule_scale=0'])
     # the toy run at half its schedule (16 -> 8 steps, W 4 -> 2, T 6 -> 3): stored resolved, so a
     # resume does not scale it a second time

@@ -62,6 +62,9 @@ def test_two_cells_run_skip_resume_and_record_divergence(tiny_matrix, tmp_path, 
     text = readme.read_text()
     assert text.startswith('intro\n<!-- study:tiny -->\n| variant |') and text.endswith('<!-- /study:tiny -->\nafter\n')
     assert 'old' not in text and '| all-end |' in text
+    with pytest.raises(SystemExit, match=f"no cell of matrix 'tiny' has finished in .*: {readme}'s tables are kept"):
+        study.main(['--matrix=tiny', f'--study_dir={tmp_path / "elsewhere"}', '--run=False', f'--readme={readme}'])
+    assert readme.read_text() == text  # was emptied tables, status 0
 
     with pytest.raises(SystemExit, match="only='nope': nope not in matrix 'tiny'"):
         study.main(['--matrix=tiny', f'--study_dir={out}', '--only=nope'])
@@ -252,6 +255,9 @@ def test_a_cells_log_cut_short_resumes_a_damaged_one_fails_only_its_cell_and_a_b
     (out / 'results.json').write_text('[]')
     with pytest.raises(SystemExit, match="is not a study's results file"):
         study.main(['--matrix=tiny', f'--study_dir={out}', '--run=False'])
+    for missing in (tmp_path / 'none.json', tmp_path):  # plot.py --fit/--gap/--ladder: a FileNotFoundError before
+        with pytest.raises(SystemExit, match=f"cannot read {missing}: (No such file or directory|Is a directory)"):
+            study.read_results(str(missing))
     with pytest.raises(SystemExit, match="is not a study's results file"):  # plot's reader is study's
         plot.best_points(out / 'results.json')
 

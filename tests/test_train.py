@@ -136,8 +136,14 @@ def test_config_files_compose_and_overrides_win():
     (['--taper=none', '--aux_weight=0.1'], 'aux_weight > 0 needs taper'),
     (['--warmup_iters=100', '--lr_decay_iters=100'], 'lr_decay_iters=100 must exceed warmup_iters=100'),  # no decay
     (['--norm=batchnorm'], "norm='batchnorm'"),
-    (['--learning_rate=-1'], 'learning_rate=-1.0 must be > 0'),
+    (['--learning_rate=-1'], 'learning_rate=-1.0 must be a finite number > 0'),
     (['--dropout=1'], 'dropout=1.0 must be in [0, 1)'),
+    (['--learning_rate=1e400'], 'learning_rate=inf must be a finite number > 0'),  # an overflow in AdamW's step
+    (['--beta1=1.0'], 'beta1=1.0 must be in [0, 1)'),  # AdamW's ValueError traceback
+    (['--beta2=-0.5'], 'beta2=-0.5 must be in [0, 1)'),
+    (['--schedule_scale=1e400'], 'schedule_scale=inf must be a finite number > 0'),  # an OverflowError
+    (['--norm_eps=1e400'], 'norm_eps=inf must be a finite number >= 0'),  # trained to ln(V), silently
+    (['--seed=-1'], 'seed=-1 must be in [0, 2**63): torch and numpy take no other'),  # numpy's ValueError, late
     (['max_iters=60'], "did you mean --max_iters=60?"),
     (['--out_dir=out-{tapr}'], "out_dir='out-{tapr}': placeholders must be config keys"),
 ])
@@ -782,6 +788,7 @@ def test_a_compiled_run_compiles_each_version_of_the_forward_once_and_stays_comp
     RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried "
                  "to allocate 128000000000 bytes. Error code 12 (Cannot allocate memory)"),  # --batch_size=100000, tried
     torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 64.00 GiB.'),
+    MemoryError('Unable to allocate 7.28 TiB for an array with shape (1000000000000, 17)'),  # numpy's, the batch's
 ])
 def test_a_step_that_does_not_fit_in_memory_ends_in_one_line_naming_the_keys(toy_data, tmp_path, monkeypatch, error):
     """A batch too large for the device ended train.py in the allocator's traceback; now in one line that

@@ -160,7 +160,7 @@ def main(argv=None):
                              "(austen): download it")
     parser.add_argument("--vocab_size", type=int, default=common.DEFAULT_VOCAB_SIZE,
                         help="compact vocabulary size incl. <unk>; 0 = full GPT-2 (50257)")
-    parser.add_argument("--out_dir", type=os.path.expanduser, help="output folder (default: data/NAME/)")
+    parser.add_argument("--out_dir", type=common.folder, help="output folder (default: data/NAME/)")
     args = parser.parse_args(argv)
 
     if args.input:
@@ -170,7 +170,7 @@ def main(argv=None):
         common.check_inputs([], f"{USAGE}\n(Without --input, --name={'|'.join(PUBLIC_CORPORA)} "
                                 "downloads a public corpus.)")
     common.check_vocab_size(args.vocab_size)
-    if args.out_dir:
+    if args.out_dir is not None:
         out_dir = args.out_dir
     elif args.name and os.path.basename(args.name) == args.name and args.name not in (".", ".."):
         out_dir = os.path.join(common.DATA_DIR, args.name)

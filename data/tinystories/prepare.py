@@ -135,7 +135,7 @@ def main(argv=None):
                         help="local .txt / .parquet / .jsonl file (repeatable); default: download")
     parser.add_argument("--vocab_size", type=int, default=common.DEFAULT_VOCAB_SIZE,
                         help="compact vocabulary size incl. <unk>; 0 = full GPT-2 (50257)")
-    parser.add_argument("--out_dir", type=os.path.expanduser, default=OUT_DIR, help="output folder")
+    parser.add_argument("--out_dir", type=common.folder, default=OUT_DIR, help="output folder")
     args = parser.parse_args(argv)
 
     common.check_vocab_size(args.vocab_size)
