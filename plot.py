@@ -17,7 +17,7 @@ import os
 import statistics
 import sys
 
-from configurator import ConfigError, check_out_file, configure
+from configurator import ConfigError, check_at_least, check_out_file, configure
 
 # -----------------------------------------------------------------------------
 runs = ''                   # comma-separated out_dirs (each with a log.jsonl)
@@ -488,8 +488,19 @@ def save_figure(fig, out):
     print(f"wrote {out}")
 
 
+def validate(cfg):
+    """configure()'s check: --out an image file (check_out; not for --fit, which draws nothing), and
+    counts and spans that draw something (smooth=0 divided by zero, a negative span drew nothing)."""
+    if not cfg['fit']:
+        check_out(cfg['out'])
+    check_at_least(cfg, 1, ('smooth', 'shock_steps'))
+    check_at_least(cfg, 0, ('max_iter', 'ce_span'))
+    if cfg['ce_span'] == math.inf:
+        raise ConfigError("ce_span=inf: give a finite span, or 0 to show everything", ('ce_span',))
+
+
 def main(argv):
-    cfg = configure(argv, globals(), validate=lambda c: c['fit'] or check_out(c['out']))  # --fit draws nothing
+    cfg = configure(argv, globals(), validate=validate)
     if not cfg.runs and not cfg.ladder and not cfg.gap and not cfg.fit and not cfg.shock:
         raise SystemExit("config error: --runs=DIR[,DIR...] (or --ladder=study/results.json, --gap=study/results.json, "
                          "--fit=study/results.json or --shock=BASELINE:RUN[,...]) is required")

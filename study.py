@@ -1149,7 +1149,7 @@ def write_between_markers(path, blocks):
 
 def main(argv):
     """Run (and/or tabulate) the matrix given by argv; returns the results file's contents."""
-    cfg = configure(argv, DEFAULTS, choices={'matrix': tuple(MATRICES)},
+    cfg = configure(argv, DEFAULTS, choices={'matrix': tuple(MATRICES), 'cpu_isa': ('avx2', '')},
                     validate=lambda c: check_at_least(c, 1, ('jobs', 'threads')))
     cells = MATRICES[cfg.matrix]
     if cfg.only:

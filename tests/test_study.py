@@ -5,6 +5,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import threading
@@ -143,6 +144,11 @@ def test_plot_draws_the_runs_of_a_study(tiny_matrix, tmp_path):
         with pytest.raises(SystemExit) as e:  # matplotlib wrote BAD.png while plot.py said it wrote BAD
             plot.main([f'--runs={out}/baseline-end-s1', f'--out={bad}'])
         assert str(e.value) == f'config error: --out={bad} {says}'
+    for bad, says in (('--smooth=0', 'smooth=0 must be >= 1'), ('--shock_steps=-1', 'shock_steps=-1 must be >= 1'),
+                      ('--ce_span=-1.0', 'ce_span=-1.0 must be >= 0'), ('--ce_span=1e400', 'ce_span=inf: give a finite'),
+                      ('--max_iter=-1', 'max_iter=-1 must be >= 0')):  # a ZeroDivisionError, or empty panels
+        with pytest.raises(SystemExit, match=f'config error: {re.escape(says)}'):
+            plot.main([f'--runs={out}/baseline-end-s1', f'--out={png}', bad])
     assert not (tmp_path / 'p').exists() and not os.path.exists(f'{tmp_path}.png')
     # a window of the first steps (a spike, drawn whole with ce_span=0)
     assert [r['iter'] for r in plot.read_run(out / 'all-end-s1', 5)[0]] == [0, 1, 2, 3, 4, 5]
@@ -991,6 +997,9 @@ def test_cpu_isa_pins_every_cells_kernels_and_the_record_says_so(tiny_matrix, tm
         assert record['host_cpu'] == names[0] != ''
     with pytest.raises(ValueError, match="cpu_isa='avx512'"):
         study.cpu_pins('avx512')
+    with pytest.raises(SystemExit, match="config error: --cpu_isa=avx512: cpu_isa='avx512': choose one of 'avx2', ''"):  # at once, not in a cell's thread
+        study.main(['--matrix=tiny', f'--study_dir={tmp_path / "isa"}', '--cpu_isa=avx512'])
+    assert not (tmp_path / 'isa').exists()
     assert study.cpu_pins('') == {}  # unpinned: the machine's own kernels
 
 
