@@ -409,6 +409,9 @@ def test_tinystories_jsonl_without_text_is_an_error(tmp_path):
     f.write_text(json.dumps({"story": "x"}) + "\n")
     with pytest.raises(SystemExit, match="text"):
         ts_prepare.main([f"--input={f}", f"--out_dir={tmp_path}"])
+    f.write_text(json.dumps({"text": "a story"}) + "\n" + json.dumps({"text": 5}) + "\n")
+    with pytest.raises(SystemExit, match=f'{f}:2: its "text" is a JSON int, not a string'):
+        list(ts_prepare.read_jsonl(f))
 
 
 def test_tinystories_parquet(tmp_path):

@@ -94,6 +94,8 @@ def read_jsonl(path):
             except (ValueError, KeyError, TypeError):
                 raise SystemExit(f"{path}:{lineno} is not a JSON object with a \"text\" field; "
                                  "expected JSON Lines, one {\"text\": ...} per line") from None
+            if not isinstance(text, (str, type(None))):  # an AttributeError on .strip() before
+                raise SystemExit(f"{path}:{lineno}: its \"text\" is a JSON {type(text).__name__}, not a string")
             yield (text or "").strip()
 
 
