@@ -642,11 +642,11 @@ def run_held_cell(name, args, out_dir, results, threads, isa, lock, stop):
             print(f"{name}: {said}; the same study.py command continues it", flush=True)
             return 'stopped'
         if code != 0:
-            if 'non-finite loss' not in tail:
+            if runs.DIVERGED not in tail:
                 print(f"{name}: train.py failed (exit {code}); see {out_dir}/train.out:\n{tail}",
                       flush=True)
                 return 'failed'
-            it = int(tail.rsplit('at iteration ', 1)[1].split(';')[0])
+            it = int(tail.rsplit(f'{runs.DIVERGED} at iteration ', 1)[1].split()[0])
             results.put(name, dict(status='diverged', diverged_at=it, args=args, data=data_of(args),
                                    **provenance(wall, threads, args, isa)))
             print(f"{name}: diverged at iteration {it}", flush=True)

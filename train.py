@@ -44,9 +44,9 @@ from configurator import (ConfigError, changed_keys, check_at_least, check_compi
                           defaults_of, keys_set, overlay_rank)
 from gpt2 import GPT2_MODELS, PRETRAINED_SHAPE, PretrainedError, from_pretrained, pretrained_args
 from model import GPT, GPTConfig, branch_mismatch
-from runs import (Run, Stopped, batch_rng, check_same_data, compile_model, end_processes, final_losses, final_record,
-                  find_dataset, load_weights, model_from_state_dict, resume_command, resume_config, setup, sync,
-                  windows, wrap_ddp)
+from runs import (DIVERGED, Run, Stopped, batch_rng, check_same_data, compile_model, end_processes, final_losses,
+                  final_record, find_dataset, load_weights, model_from_state_dict, resume_command, resume_config,
+                  setup, sync, windows, wrap_ddp)
 
 # -----------------------------------------------------------------------------
 # data
@@ -339,7 +339,7 @@ def train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stop=No
     gradients were complete (it rides on the same all-reduce, so every rank stops at the same
     step), all read from the device in one .tolist(), the step's only host sync. In the 'ema'
     warmup (raw_model collecting 'calibration') it also runs raw_model.calibration_step(), before
-    that sync. SystemExit on a non-finite loss, before the optimizer
+    that sync. Stopped (runs.DIVERGED) on a non-finite loss or gradient norm, before the optimizer
     step. batches: a Batches (the next step's first micro-batch is built before that sync)."""
     torch.manual_seed(int(np.random.SeedSequence([cfg.seed, it, env.rank]).generate_state(1)[0]))  # dropout
     sums = torch.zeros(9, device=env.dev)
@@ -370,7 +370,7 @@ def train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stop=No
     stats = dict(zip((*STEP_METRICS, 'stop', 'grad_norm', 'dyt_saturated'), sums.tolist()))  # the step's one host sync
     stats['stop'], stats['dyt_saturated'] = stats['stop'] > 0, stats['dyt_saturated'] > 0
     if not (math.isfinite(stats['loss']) and math.isfinite(stats['grad_norm'])):
-        raise Stopped(f"non-finite loss {stats['loss']} (grad norm {stats['grad_norm']}) at iteration {it}; "
+        raise Stopped(f"{DIVERGED} at iteration {it} (loss {stats['loss']}, grad norm {stats['grad_norm']}); "
                          f"stopping without saving: {os.path.join(cfg.out_dir, 'ckpt.pt')} keeps the last good state")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

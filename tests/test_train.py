@@ -479,9 +479,16 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(toy_data, tmp_path,
         return loss * float('nan') if len(calls) > 2 * 6 else loss
 
     monkeypatch.setattr(F, 'cross_entropy', ce_nan_at_step_6)
-    with pytest.raises(runs.Stopped, match='non-finite loss nan .* at iteration 6'):  # under DDP: every rank's end
+    with pytest.raises(runs.Stopped, match=r'non-finite loss or gradient at iteration 6 \(loss nan, grad norm nan\)'):  # under DDP: every rank's end
         train.main(toy_args(toy_data, out))
     assert torch.load(out / 'ckpt.pt', weights_only=False)['iter_num'] == 4
+
+
+def test_a_non_finite_gradient_with_a_finite_loss_stops_and_says_which(toy_data, tmp_path, monkeypatch):
+    real_clip = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, 'clip_grad_norm_', lambda *a, **k: real_clip(*a, **k) * float('inf'))
+    with pytest.raises(runs.Stopped, match=r'non-finite loss or gradient at iteration 0 \(loss \d+\.\d+, grad norm inf\)'):
+        train.main(toy_args(toy_data, tmp_path / 'inf'))
 
 
 def test_missing_dataset_names_the_prepare_command(tmp_path):
