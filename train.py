@@ -161,6 +161,10 @@ def validate(cfg):
     if not 0 < cfg['learning_rate'] < math.inf:
         raise ConfigError(f"learning_rate={cfg['learning_rate']} must be a finite number > 0")
     check_at_least(cfg, 0, ('min_lr', 'weight_decay', 'grad_clip', 'warmup_iters'))
+    if cfg['min_lr'] > cfg['learning_rate']:  # e.g. --learning_rate lowered under a config's min_lr
+        raise ConfigError(f"min_lr={cfg['min_lr']:g} exceeds learning_rate={cfg['learning_rate']:g}: the cosine "
+                          "decay would rise to it; set --min_lr at or below learning_rate (the configs use a tenth)",
+                          ('min_lr', 'learning_rate'))
     for key in ('beta1', 'beta2'):  # AdamW's own check was a ValueError traceback
         if not 0 <= cfg[key] < 1:
             raise ConfigError(f"{key}={cfg[key]} must be in [0, 1)", (key,))

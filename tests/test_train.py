@@ -140,6 +140,7 @@ def test_config_files_compose_and_overrides_win():
     (['--dropout=1'], 'dropout=1.0 must be in [0, 1)'),
     (['--learning_rate=1e400'], 'learning_rate=inf must be a finite number > 0'),  # an overflow in AdamW's step
     (['--beta1=1.0'], 'beta1=1.0 must be in [0, 1)'),  # AdamW's ValueError traceback
+    (['--learning_rate=1e-5'], 'min_lr=0.0001 exceeds learning_rate=1e-05'),  # the default min_lr: a rising decay
     (['--beta2=-0.5'], 'beta2=-0.5 must be in [0, 1)'),
     (['--schedule_scale=1e400'], 'schedule_scale=inf must be a finite number > 0'),  # an OverflowError
     (['--norm_eps=1e400'], 'norm_eps=inf must be a finite number >= 0'),  # trained to ln(V), silently
