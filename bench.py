@@ -103,6 +103,7 @@ def architecture(cfg):
         raise ConfigError("--ckpt times a checkpoint's decoding: drop it with --mode=train, which times "
                           "random-weight models of --size")
     keys = ('n_layer', 'n_head', 'n_embd')
+    check_at_least(cfg, 0, keys)  # 0: the size's value; a negative one was taken as 0, silently
     arch = dict(LADDER.get(cfg['size'], {}), **{k: cfg[k] for k in keys if cfg[k] > 0})
     if missing := [k for k in keys if k not in arch]:
         raise ConfigError(f"--size='' needs --{', --'.join(missing)}")

@@ -182,6 +182,7 @@ def test_a_norm_free_checkpoint_is_refused_with_the_reason(tmp_path, norm, why):
     (['--compile=yes'], "choose one of 'both', 'eager', 'compiled'"),
     (['--batch_size=0'], 'batch_size=0 must be >= 1'),
     (['--size=', '--n_layer=2'], "--size='' needs --n_head, --n_embd"),
+    (['--size=1M', '--n_layer=-4'], 'n_layer=-4 must be >= 0'),
     (['--size=', '--n_layer=2', '--n_head=3', '--n_embd=32'], 'not divisible by n_head=3'),
     (['--ckpt_path=x.pt'], "unknown config key 'ckpt_path'; did you mean --ckpt"),
     (['--ckpt=nowhere.pt', '--size=1M', '--compile=eager'], 'not found'),
