@@ -146,26 +146,33 @@ def check_dataset(folder, block_size, fix):
     try:
         with open(path) as f:
             meta = json.load(f)
-        vocab_size = meta['vocab_size']
+        vocab_size, tokens = meta['vocab_size'], meta.get('tokens') or {}  # a hand-made one may lack tokens
         assert isinstance(vocab_size, int) and vocab_size > 0
+        assert isinstance(tokens, dict) and all(type(n) is int for n in tokens.values())
     except (OSError, ValueError, KeyError, TypeError, AssertionError):
-        raise SystemExit(f"{path} is not a readable dataset description (JSON with vocab_size); "
-                         f"prepare the dataset again: {fix}") from None
+        raise SystemExit(f"{path} is not a readable dataset description (JSON with an integer vocab_size, and "
+                         f"integer token counts if it has any); prepare the dataset again: {fix}") from None
     for split in ('train', 'val'):
         path = os.path.join(folder, f'{split}.bin')
+        if not os.path.isfile(path):  # a folder: np.memmap's IsADirectoryError below
+            raise SystemExit(f"{path} is not a file; prepare the dataset again: {fix}")
         size = os.path.getsize(path)
         if size % 2:
             raise SystemExit(f"{path} holds {size} bytes, not a whole number of uint16 tokens (truncated?); "
                              f"prepare the dataset again: {fix}")
-        counted = (meta.get('tokens') or {}).get(split)  # written by data/common.py; a hand-made meta.json may lack it
+        counted = tokens.get(split)  # written by data/common.py
         if counted is not None and size // 2 != counted:  # e.g. the same ids rewritten as uint32: 0 between every two
             raise SystemExit(f"{path} holds {size // 2:,} uint16 tokens, but meta.json says {counted:,} (rewritten in "
                              f"another dtype, or files from two preparations?); prepare the dataset again: {fix}")
         if size // 2 < block_size + 1:  # one window: block_size inputs and their block_size targets
             raise SystemExit(f"{path} has {size // 2} tokens, fewer than block_size + 1 = {block_size + 1} (one "
                              f"window); use a smaller --block_size or more data")
-        data = np.memmap(path, dtype=np.uint16, mode='r')
-        top = max(int(data[i:i + (1 << 24)].max()) for i in range(0, len(data), 1 << 24))
+        try:
+            data = np.memmap(path, dtype=np.uint16, mode='r')
+            top = max(int(data[i:i + (1 << 24)].max()) for i in range(0, len(data), 1 << 24))
+        except OSError as e:  # no read permission, an I/O error
+            raise SystemExit(f"{path} cannot be read ({e.strerror or e}); fix its permissions, or prepare the "
+                             f"dataset again: {fix}") from None
         if top >= vocab_size:
             raise SystemExit(f"{path} holds token id {top}, outside meta.json's vocab_size {vocab_size} "
                              f"(files from two preparations?); prepare the dataset again: {fix}")

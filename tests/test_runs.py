@@ -480,6 +480,22 @@ def break_dataset(toy_data, how):
         np.zeros(16, dtype=np.uint16).tofile(folder / 'val.bin')
     elif how == 'meta':
         (folder / 'meta.json').write_text('{"vocab_size": ')
+    elif how == 'tokens':  # hand-made: a list, where data/common.py writes {split: count}
+        meta = json.loads((folder / 'meta.json').read_text())
+        (folder / 'meta.json').write_text(json.dumps({**meta, 'tokens': [10_000, 2_800]}))
+    elif how == 'folder':
+        (folder / 'train.bin').unlink()
+        (folder / 'train.bin').mkdir()
+
+
+def test_a_bin_file_that_cannot_be_read_is_one_line_naming_it(toy_data, monkeypatch):
+    """As root, chmod 000 reads anyway: the refusal np.memmap meets (PermissionError) is simulated."""
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, 'Permission denied', str(path))
+
+    monkeypatch.setattr(runs.np, 'memmap', refuse)
+    with pytest.raises(SystemExit, match=r'train.bin cannot be read \(Permission denied\); fix its permissions'):
+        runs.check_dataset(str(toy_data / 'toy'), 16, 'FIX')
 
 
 def test_data_exactly_one_window_long_trains_and_is_evaluated_on_that_window(toy_data, tmp_path):
@@ -502,6 +518,9 @@ def test_data_exactly_one_window_long_trains_and_is_evaluated_on_that_window(toy
     ('vocab', r"val.bin holds token id 64, outside meta.json's vocab_size 64"),
     ('short', r'val.bin has 16 tokens, fewer than block_size \+ 1 = 17 \(one window\)'),
     ('meta', r'meta.json is not a readable dataset description'),
+    ('tokens', r'meta.json is not a readable dataset description \(JSON with an integer vocab_size, and integer '
+               r'token counts if it has any\)'),  # an AttributeError traceback before
+    ('folder', r'train.bin is not a file; prepare the dataset again'),  # np.memmap's IsADirectoryError before
 ])
 def test_bad_data_is_refused_at_start_up_before_anything_is_written(toy_data, tmp_path, how, message):
     out = tmp_path / 'run'
