@@ -367,12 +367,20 @@ def _remap(segments, lut, unk_id, out_path):
     return n, n_unk
 
 
-def disk_full(error):
-    """The OSError saying a filesystem is full (ENOSPC, or EDQUOT: a quota) behind error, following its
-    causes and contexts (torch.save, for one, reports a failed write as 'unexpected pos'), or None."""
-    while error is not None and getattr(error, "errno", None) not in (errno.ENOSPC, errno.EDQUOT):
+def os_error(error, codes):
+    """The OSError whose errno is one of codes behind error, following its causes and contexts
+    (torch.save, for one, reports a failed write as 'unexpected pos'), or None."""
+    while error is not None and getattr(error, "errno", None) not in codes:
         error = error.__cause__ or error.__context__
     return error
+
+
+def disk_full(error):
+    """The OSError saying a filesystem is full (ENOSPC, or EDQUOT: a quota) behind error, or None."""
+    return os_error(error, (errno.ENOSPC, errno.EDQUOT))
+
+
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)  # no permission, a read-only filesystem
 
 
 @contextlib.contextmanager
@@ -386,11 +394,18 @@ def scratch_files(out_dir, *names):
     whole; in pass 2, write_dataset has removed its meta.json, so the folder no longer reads as one.
     """
     created = not os.path.isdir(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:  # a file of that name, a file above it, no permission
+        what = "names a file" if os.path.exists(out_dir) else f"cannot be made ({e.strerror})"
+        raise SystemExit(f"--out_dir={out_dir} {what}: pass --out_dir a folder you can write to") from None
     paths = {name: os.path.join(out_dir, f"{name}.gpt2.tmp") for name in names}
     try:
         yield paths
     except Exception as e:
+        if (denied := os_error(e, NOT_WRITABLE)) is not None:
+            raise SystemExit(f"cannot write in {os.path.abspath(out_dir)} ({denied.strerror}) preparing the dataset: "
+                             "pass --out_dir a folder you can write to") from None
         if (full := disk_full(e)) is None:
             raise
         # pass 1 writes 2 bytes a token in GPT-2 ids, pass 2 as much again in the dataset's ids

@@ -371,6 +371,28 @@ def test_a_full_disk_while_preparing_is_one_line_and_leaves_no_dataset_behind(tm
     with pytest.raises(SystemExit, match="meta.json not found: prepare the dataset first"):
         common.load_meta(out)
 
+def test_an_out_dir_that_is_a_file_or_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    """makedirs' FileExistsError / NotADirectoryError and a write's PermissionError were tracebacks.
+    As root, permission bits do not refuse: the refused write is simulated."""
+    f = tmp_path / "in.txt"
+    f.write_text(make_corpus(300))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit, match=r"^--out_dir=\S+afile names a file: pass --out_dir a folder you can write to$"):
+        text_prepare.main([f"--input={f}", f"--out_dir={tmp_path / 'afile'}"])
+    with pytest.raises(SystemExit, match=r"afile/sub cannot be made \(Not a directory\): pass --out_dir a folder"):
+        text_prepare.main([f"--input={f}", f"--out_dir={tmp_path / 'afile' / 'sub'}"])
+    real_open = open
+
+    def denied(path, mode="r", *a, **k):
+        if "w" in mode:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, mode, *a, **k)
+    monkeypatch.setattr(common, "open", denied, raising=False)
+    with pytest.raises(SystemExit, match=rf"^cannot write in {tmp_path / 'out'} \(Permission denied\) preparing the "
+                                         r"dataset: pass --out_dir a folder you can write to$"):
+        text_prepare.main([f"--input={f}", f"--out_dir={tmp_path / 'out'}"])
+    assert not (tmp_path / "out").exists()
+
 def test_tinystories_without_val_file_uses_the_last_1_percent(tmp_path):
     items = stories(300)
     f = write_tinystories_txt(tmp_path / "train.txt", items)
