@@ -119,6 +119,8 @@ class TaperNorm(Norm):
             y = y.float()
             self.mismatch_sums += torch.stack([(self.linear(h.float()) - y).pow(2).sum(), y.pow(2).sum()])
             return
+        # c's least-squares fit needs, per channel i, N_i = Σ x_i²/r and D_i = Σ x_i² over tokens, without γ:
+        # γ keeps training until the calibrate event, which weights the sums by the γ² of that moment.
         # every warmup forward runs this once per norm: 6 ops (RMS kind; LN's centring adds 2), one pass
         # over x² for r and for both sums. 1/r = rsqrt(mean x² + ε) is r(h) of the RMS kind, and σ(h)
         # of the LN kind since x = P h is centred; [1/r, 1]ᵀ x² is (2, d): Σ x_i²/r and Σ x_i² in one product
@@ -594,9 +596,10 @@ class GPT(nn.Module):
         else:
             raise ValueError(f"calibrate(mode={mode!r}): choose 'end' or 'ema'")
         cs = {}
+        # stats alternates per norm: N_i, D_i (Σ_tokens x_i²/r and Σ_tokens x_i², as means or EMAs)
         for (name, m), num, den in zip(norms, stats[0::2], stats[1::2], strict=True):
-            g2 = m.weight.float().pow(2)
-            m.c.fill_((g2 * num).sum() / (g2 * den).sum())
+            gamma2 = m.weight.float().pow(2)  # γ², the weights of the least-squares fit of c
+            m.c.fill_((gamma2 * num).sum() / (gamma2 * den).sum())
             m.weight_tilde.copy_(m.weight)
             if m.bias is not None:
                 m.bias_tilde.copy_(m.bias)
@@ -619,11 +622,16 @@ class GPT(nn.Module):
         into and attend over the KV caches (prefill: 0..T−1; decode: one position), after
         `setup_caches`. Positions are not range-checked here (that would sync with the host);
         `generate` checks them.
-        Raises ValueError if T > block_size, RuntimeError for input_pos without setup_caches().
+        Raises ValueError if T > block_size, or for a forward without targets under set_collect
+        (the final norm would see only the last position, and no tokens are counted), RuntimeError
+        for input_pos without setup_caches().
         """
         B, T = idx.size()
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        if targets is None and self.collect is not None:
+            raise ValueError(f"a forward without targets under set_collect({self.collect!r}) would skew the "
+                             "statistics (ln_f sees only the last position): pass targets, or set_collect(None)")
         if input_pos is None:
             pos, mask = torch.arange(T, dtype=torch.long, device=idx.device), None
         else:
@@ -746,9 +754,10 @@ def step_statistics(model):
 
 
 def branch_mismatch(model):
-    """{layer name: ‖L(h) − N(h)‖ / ‖N(h)‖} over every token of the forwards run under
-    set_collect('mismatch') (all-reduced over ranks): how far the linear branch the taper
-    starts from is from the normalizing branch it replaces (docs/method.md §3). The sums are reset.
+    """{layer name: ‖L(h) − N(h)‖ / ‖N(h)‖}, pooled: the sums of squares over every token of the
+    forwards run under set_collect('mismatch'), all-reduced over ranks, then one ratio. How far the
+    linear branch the taper starts from is from the normalizing branch it replaces (docs/method.md
+    §3). The sums are reset.
     Raises RuntimeError if nothing was collected."""
     norms = model.tapernorms()
     sums = all_reduce_sums([m.mismatch_sums for _, m in norms])

@@ -293,6 +293,17 @@ def test_collecting_the_warmup_statistics_adds_six_ops_per_norm(kind, per_norm):
     assert {op: n for op, n in added.items() if n} == dict(want)
 
 
+@pytest.mark.parametrize('mode', ['calibration', 'mismatch'])
+def test_a_forward_without_targets_under_collect_is_refused_and_records_nothing(mode):
+    """Without targets the final norm sees only the last position and no tokens are counted, so the
+    statistics it recorded would not be those of the batch."""
+    model = tiny('rmsnorm', taper='all')
+    model.set_collect(mode)
+    with pytest.raises(ValueError, match=f"without targets under set_collect\\('{mode}'\\)"):
+        model(torch.randint(0, 64, (2, 8)))
+    assert all(not m.step_sums.any() and not m.mismatch_sums.any() for _, m in model.tapernorms())
+
+
 def test_the_warmup_statistics_never_read_the_device_from_the_host():
     """A collecting forward and calibration_step on the 'meta' device (no values anywhere), under a
     dispatch mode that fails on every op that reads a value to the host: on a GPU none of them may
