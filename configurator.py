@@ -127,6 +127,14 @@ def overlay_rank(path):
     return 0
 
 
+def assigned_keys(path):
+    """The names a config file assigns at its top level (config/smoke.py: max_iters, ...), read
+    from the source without running it."""
+    tree = ast.parse(read_config(path), path)
+    return {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+            if isinstance(t, ast.Name)}
+
+
 def config_files(args):
     """The config files among a script's arguments, in the order given (the rest are --key=value)."""
     return [a for a in args if not a.startswith('-') and '=' not in a and os.path.isfile(a)]

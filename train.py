@@ -40,8 +40,8 @@ import torch
 from tqdm import tqdm
 
 from baselines import FAKELN_EVENTS, NORM_FREE, fakeln_step, final_dyt_saturated, remove_norms, saturation_warning
-from configurator import (ConfigError, changed_keys, check_at_least, check_compiler, config_files, configure,
-                          defaults_of, keys_set, overlay_rank)
+from configurator import (ConfigError, assigned_keys, changed_keys, check_at_least, check_compiler, config_files,
+                          configure, defaults_of, keys_set, overlay_rank)
 from gpt2 import GPT2_MODELS, PRETRAINED_SHAPE, PretrainedError, from_pretrained, pretrained_args
 from model import GPT, GPTConfig, branch_mismatch
 from runs import (DIVERGED, Run, Stopped, batch_rng, check_same_data, compile_model, end_processes, final_losses,
@@ -493,10 +493,13 @@ def fakeln_events(raw_model, it, run):
 
 # ---- main -------------------------------------------------------------------------------
 
-def cpu_hint(argv):
-    """For runs.Progress, when a run is long on a CPU: argv's config files with config/cpu.py
-    (the variant at CPU size) and config/smoke.py (every phase in 150 steps) where they are
-    missing, in the order they apply, as the rest of its line; '' when both are given."""
+def cpu_hint(argv, download_failed=False):
+    """For runs.Progress, when a run is long on a CPU: argv with config/cpu.py (the variant at CPU
+    size) and config/smoke.py (every phase in 150 steps) where they are missing, in the order they
+    apply, as the rest of its line; '' when both are given. argv's --key=value overrides are kept,
+    but for out_dir (the run's own folder: the command would be refused) and the keys an added
+    overlay sets. download_failed: for a failed TinyStories download (runs.find_dataset), only the
+    variant at CPU size, on Jane Austen's novels, which need no download (--dataset, --data_dir dropped)."""
     files = config_files(argv)
     given = {os.path.realpath(f) for f in files}
     cpu, smoke = (os.path.relpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'config', name))
@@ -504,11 +507,17 @@ def cpu_hint(argv):
 
     def command(*overlays):
         added = [f for f in overlays if os.path.realpath(f) not in given]
-        return 'python train.py ' + ' '.join(sorted(files + added, key=overlay_rank))
+        dropped = {'out_dir', *(k for f in added for k in assigned_keys(f))}
+        if download_failed:
+            dropped |= {'dataset', 'data_dir'}
+        kept = [a for a in argv if a not in files and a.lstrip('-').split('=', 1)[0] not in dropped]
+        return ' '.join(['python train.py', *sorted(files + added, key=overlay_rank), *kept])
 
+    austen = "the 1M model on Jane Austen's novels, prepared by python data/text/prepare.py --name=austen"
+    if download_failed:
+        return f": the same variant at CPU size needs no download ({austen}): {command(cpu)}"
     if os.path.realpath(cpu) not in given:
-        return (f": its configuration is sized for a GPU. The same variant at CPU size (the 1M model on Jane "
-                f"Austen's novels, prepared by python data/text/prepare.py --name=austen): {command(cpu)}; "
+        return (f": its configuration is sized for a GPU. The same variant at CPU size ({austen}): {command(cpu)}; "
                 f"every phase in 150 steps: {command(cpu, smoke)}")
     return f"; every phase in 150 steps: {command(smoke)}" if os.path.realpath(smoke) not in given else ''
 
@@ -560,7 +569,7 @@ def main(argv):
         check_compiler(env.dev)
     tokens_per_iter = windows_per_step(cfg, env) * cfg.block_size
     folder, meta = find_dataset(cfg, may_prepare=not env.ddp,
-                                cpu_hint=cpu_hint(argv) if env.device_type == 'cpu' else '')
+                                cpu_hint=cpu_hint(argv, download_failed=True) if env.device_type == 'cpu' else '')
     if cfg.sampler == 'epoch':
         check_one_pass(folder, cfg, env)
     model_args = {**{k: getattr(cfg, k) for k in MODEL_KEYS}, 'vocab_size': meta['vocab_size']}

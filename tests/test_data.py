@@ -393,6 +393,16 @@ def test_an_out_dir_that_is_a_file_or_cannot_be_written_is_one_line(tmp_path, mo
         text_prepare.main([f"--input={f}", f"--out_dir={tmp_path / 'out'}"])
     assert not (tmp_path / "out").exists()
 
+def test_a_missing_mix7_text_names_the_script_that_downloads_it(tmp_path, monkeypatch):
+    """mix7's texts come from data/mix7/build_corpora.py: a prepare command copied from the docs before
+    running it names that script, from the repository's root; another missing file does not."""
+    monkeypatch.chdir(os.path.dirname(common.DATA_DIR))
+    with pytest.raises(SystemExit, match=r"^input file not found: data/downloads/mix7/nowhere.txt \(python "
+                                         r"data/mix7/build_corpora.py downloads that folder's texts\)\. "):
+        common.check_inputs(["data/downloads/mix7/nowhere.txt"], "FIX")
+    with pytest.raises(SystemExit, match=rf"^input file not found: {tmp_path}/austen.txt\. FIX$"):
+        common.check_inputs([str(tmp_path / "austen.txt")], "FIX")
+
 def test_tinystories_without_val_file_uses_the_last_1_percent(tmp_path):
     items = stories(300)
     f = write_tinystories_txt(tmp_path / "train.txt", items)

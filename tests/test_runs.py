@@ -454,9 +454,12 @@ def test_a_long_run_on_a_cpu_says_so_in_its_first_evaluation_with_the_cpu_sized_
                           'this run takes about ', 'iter      0 ')]
     assert first == sorted(first)  # all before the first step's record: during the first evaluation
     assert sum(line.startswith('this run takes about') for line in out) == 1
-    hint = train.cpu_hint(['config/tinystories_all_taper.py', '--seed=2'])
-    assert ': python train.py config/tinystories_all_taper.py config/cpu.py;' in hint
-    assert ': python train.py config/tinystories_all_taper.py config/cpu.py config/smoke.py' in hint
+    hint = train.cpu_hint(['config/tinystories_all_taper.py', '--seed=2', '--max_iters=900', '--out_dir=mine'])
+    # the overrides kept, but for the run's own folder and the keys an added overlay sets (max_iters)
+    assert ': python train.py config/tinystories_all_taper.py config/cpu.py --seed=2;' in hint
+    assert hint.endswith(': python train.py config/tinystories_all_taper.py config/cpu.py config/smoke.py --seed=2')
+    assert train.cpu_hint(['config/tinystories_all_taper.py', 'config/cpu.py', '--dataset=kjv']).endswith(
+        'config/cpu.py config/smoke.py --dataset=kjv')  # a key no added overlay sets
     assert train.cpu_hint(['config/tinystories_all_taper.py', 'config/cpu.py']) == \
         '; every phase in 150 steps: python train.py config/tinystories_all_taper.py config/cpu.py config/smoke.py'
     assert train.cpu_hint(['config/tinystories_all_taper.py', 'config/cpu.py', 'config/smoke.py']) == ''

@@ -592,8 +592,15 @@ def test_main_command_prepares_tinystories_when_missing(tmp_path, monkeypatch):
         train.main(args[:1] + [f'--data_dir={tmp_path}/empty'] + args[2:])
     # on a CPU (--device=cpu) the failed download also says what the run would take there, as the run
     # itself says once the data is on disk: the variant at CPU size, config/cpu.py
-    assert str(e.value).splitlines()[-1] == 'this run is on a CPU' + train.cpu_hint(args)
-    assert ': python train.py config/tinystories_internal_taper.py config/cpu.py;' in str(e.value)
+    # (the variant on austen, which needs no download): the overrides kept but where config/cpu.py sets
+    # the key (--device, --max_iters, ...), and --data_dir (the data) and --out_dir (this run's folder)
+    last = str(e.value).splitlines()[-1]
+    assert last.startswith("this run is on a CPU: the same variant at CPU size needs no download (the 1M model on "
+                           "Jane Austen's novels, prepared by python data/text/prepare.py --name=austen): ")
+    command = last.split('): ', 1)[1].split()
+    assert command[:4] == ['python', 'train.py', 'config/tinystories_internal_taper.py', 'config/cpu.py']
+    assert '--compile=False' in command and '--n_layer=1' in command
+    assert not [a for a in command if a.startswith(('--data_dir', '--out_dir', '--device', '--max_iters', '--n_embd'))]
 
 
 # ---- the numbers train.py reports, against plain torch ---------------------------------
