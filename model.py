@@ -309,9 +309,9 @@ class KVCache(nn.Module):
 # ---- decoding: the one path of GPT.generate, sample.py and bench.py (as in gpt-fast) ------------
 
 def check_sampling(temperature, top_k):
-    """Raise ValueError unless temperature >= 0 and top_k is None (every token) or >= 1."""
-    if not temperature >= 0:  # NaN too
-        raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
+    """Raise ValueError unless 0 <= temperature < inf and top_k is None (every token) or >= 1."""
+    if not 0 <= temperature < math.inf:  # NaN too; at inf every logit / T is 0, and top_k would keep every token
+        raise ValueError(f"temperature={temperature} must be a finite number >= 0 (0: greedy)")
     if top_k is not None and not top_k >= 1:
         raise ValueError(f"top_k={top_k} must be >= 1, or None to keep every token")
 
@@ -700,12 +700,14 @@ class GPT(nn.Module):
 
         The prompt is prefilled into a static KV cache of T0 + max_new_tokens positions, then one
         token is decoded per step (prefill, decode_n_tokens). temperature, top_k: see sample_next
-        (0: greedy). Raises ValueError for max_new_tokens < 0, T0 + max_new_tokens > block_size
+        (0: greedy). Raises ValueError for T0 = 0, max_new_tokens < 0, T0 + max_new_tokens > block_size
         (the limit is given), temperature < 0 or top_k < 1.
         """
         check_sampling(temperature, top_k)
         B, T0 = idx.shape
         total, limit = T0 + max_new_tokens, self.config.block_size
+        if T0 == 0:  # prefill's last position would be -1
+            raise ValueError("an empty prompt (T0 = 0): give at least one token, e.g. <|endoftext|>")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
         if total > limit:

@@ -12,6 +12,7 @@ greedy decoding; top_k=0 keeps every token. max_new_tokens=0 fills the checkpoin
 (block_size) after the prompt.
 """
 
+import math
 import os
 import sys
 
@@ -58,6 +59,8 @@ def validate(cfg):
     if not cfg['ckpt']:
         raise ConfigError("usage: python sample.py --ckpt=OUT_DIR/ckpt.pt [--start=...]")
     check_at_least(cfg, 0, ('temperature', 'top_k', 'max_new_tokens'))
+    if cfg['temperature'] == math.inf:  # every logit / T is 0: top_k would keep every token
+        raise ConfigError("temperature=inf must be a finite number >= 0 (0: greedy)", keys=('temperature',))
     check_at_least(cfg, 1, ('num_samples',))
 
 

@@ -280,8 +280,9 @@ def test_a_vanishing_temperature_is_greedy_not_a_crash(temperature):
 
 
 @pytest.mark.parametrize('kwargs, message', [
-    (dict(temperature=-1.0), 'temperature=-1.0 must be >= 0'),
-    (dict(temperature=float('nan')), 'temperature=nan must be >= 0'),
+    (dict(temperature=-1.0), 'temperature=-1.0 must be a finite number >= 0'),
+    (dict(temperature=float('nan')), 'temperature=nan must be a finite number >= 0'),
+    (dict(temperature=float('inf'), top_k=1), 'temperature=inf must be a finite number >= 0'),  # top_k ignored
     (dict(top_k=0), 'top_k=0 must be >= 1, or None'),
     (dict(top_k=-1), 'top_k=-1 must be >= 1, or None'),
 ])
@@ -524,6 +525,8 @@ def test_sample_errors_name_the_fix(trained, tmp_path):
         sample.main([f'--ckpt={trained}', '--start=the cat', '--max_new_tokens=31'])
     with pytest.raises(SystemExit, match='cannot read the prompt file'):
         sample.main([f'--ckpt={trained}', f'--start=FILE:{tmp_path / "nope.txt"}'])
+    with pytest.raises(SystemExit, match=r'^config error: temperature=inf must be a finite number >= 0'):
+        sample.main([f'--ckpt={trained}', '--temperature=1e400', '--top_k=1'])  # a ValueError traceback before
     model = linear_phase()
     toy = str(tmp_path / 'toy.pt')  # trained on token ids without a tokenizer (tests' toy data)
     save_checkpoint({'model': model.state_dict(), 'model_args': vars(model.config),
@@ -633,6 +636,8 @@ def test_generate_argument_checks():
     idx = torch.zeros(2, 3, dtype=torch.long)
     with pytest.raises(ValueError, match='max_new_tokens=-1'):
         model.generate(idx, -1)
+    with pytest.raises(ValueError, match=r'an empty prompt \(T0 = 0\)'):  # an IndexError deep in prefill
+        model.generate(idx[:, :0], 2)
     assert torch.equal(model.generate(idx, 0), idx)
     out = model.generate(idx, 5, temperature=0.7, top_k=3, generator=torch.Generator().manual_seed(0))
     assert out.shape == (2, 8) and torch.equal(out[:, :3], idx)
