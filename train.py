@@ -375,7 +375,7 @@ def train_step(train_model, raw_model, optimizer, batches, cfg, env, it, stop=No
     stats['stop'], stats['dyt_saturated'] = stats['stop'] > 0, stats['dyt_saturated'] > 0
     if not (math.isfinite(stats['loss']) and math.isfinite(stats['grad_norm'])):
         raise Stopped(f"{DIVERGED} at iteration {it} (loss {stats['loss']}, grad norm {stats['grad_norm']}); "
-                         f"stopping without saving: {os.path.join(cfg.out_dir, 'ckpt.pt')} keeps the last good state")
+                      f"stopping without saving: {os.path.join(cfg.out_dir, 'ckpt.pt')} keeps the last good state")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return stats
