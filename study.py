@@ -287,7 +287,7 @@ FULL_LRS = {('1M', '18M'): (4e-3, 8e-3, 1.6e-2), ('3M', '18M'): (2e-3, 4e-3, 8e-
 
 # part 6's loose ends from part 5, at EMA_POINT: seeds 2-3 of the W = 25 % pair (seed 1 tied: 4.1238 'end',
 # 4.1259 'ema'), so that the tie becomes an interval; Derf seeds 2-3 at 4e-3, the rate below its best,
-# since one of its three seeds at 8e-3 saturated (+15.3 %)
+# since one of its three seeds at 8e-3 saturated (+15.2 %)
 LOOSE_ENDS = {**warmup25_cells(seeds=(2, 3)), **best_seeds({EMA_POINT: {'derf': 4e-3}})}
 
 
