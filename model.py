@@ -316,6 +316,22 @@ def check_sampling(temperature, top_k):
         raise ValueError(f"top_k={top_k} must be >= 1, or None to keep every token")
 
 
+def check_generate(T0, max_new_tokens, limit, temperature, top_k):
+    """GPT.generate's arguments: ValueError for an empty prompt (T0 = 0), max_new_tokens < 0,
+    T0 + max_new_tokens > limit (block_size; the message gives the most that fits), or bad
+    sampling settings (check_sampling)."""
+    check_sampling(temperature, top_k)
+    total = T0 + max_new_tokens
+    if T0 == 0:  # prefill's last position would be -1
+        raise ValueError("an empty prompt (T0 = 0): give at least one token, e.g. <|endoftext|>")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    if total > limit:
+        raise ValueError(f"a prompt of {T0} tokens + {max_new_tokens} new tokens = {total} positions "
+                         f"exceeds the model's context of {limit}; ask for at most "
+                         f"{max(limit - T0, 0)} new tokens or shorten the prompt")
+
+
 def sample_next(logits, temperature=1.0, top_k=None, generator=None):
     """The next token (B, 1) from logits (B, V): argmax when temperature is 0, else a sample of
     softmax(logits / temperature) in fp32 over the top_k largest (None: all). A row whose
@@ -676,14 +692,10 @@ class GPT(nn.Module):
     # ---- inference ----------------------------------------------------------------------
 
     def setup_caches(self, batch_size, max_seq_len):
-        """Allocate a static KV cache per layer, (batch_size, n_head, max_seq_len, head_dim),
-        in the dtype and device of the weights, and the (max_seq_len, max_seq_len) causal mask.
-
-        The mask is additive (0 / −inf) in the weights' dtype (it follows `.to()`): SDPA adds it as it
-        is, where a bool mask costs every layer a `where` and two `scalar_tensor`s on every step.
-
-        Raises ValueError if max_seq_len > block_size (the position embedding ends there).
-        """
+        """Allocate a static KV cache per layer, (batch_size, n_head, max_seq_len, head_dim), in the
+        weights' dtype and device, and the (max_seq_len, max_seq_len) causal mask, additive (0 / −inf)
+        in the weights' dtype: SDPA adds it as it is, where a bool mask costs every layer a `where` and
+        two `scalar_tensor`s on every step. ValueError if max_seq_len > block_size (wpe ends there)."""
         cfg = self.config
         if not 1 <= max_seq_len <= cfg.block_size:
             raise ValueError(f"a KV cache of {max_seq_len} positions: the model's context "
@@ -700,23 +712,13 @@ class GPT(nn.Module):
 
         The prompt is prefilled into a static KV cache of T0 + max_new_tokens positions, then one
         token is decoded per step (prefill, decode_n_tokens). temperature, top_k: see sample_next
-        (0: greedy). Raises ValueError for T0 = 0, max_new_tokens < 0, T0 + max_new_tokens > block_size
-        (the limit is given), temperature < 0 or top_k < 1.
+        (0: greedy). Raises ValueError for bad arguments (check_generate).
         """
-        check_sampling(temperature, top_k)
         B, T0 = idx.shape
-        total, limit = T0 + max_new_tokens, self.config.block_size
-        if T0 == 0:  # prefill's last position would be -1
-            raise ValueError("an empty prompt (T0 = 0): give at least one token, e.g. <|endoftext|>")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
-        if total > limit:
-            raise ValueError(f"a prompt of {T0} tokens + {max_new_tokens} new tokens = {total} positions "
-                             f"exceeds the model's context of {limit}; ask for at most "
-                             f"{max(limit - T0, 0)} new tokens or shorten the prompt")
+        check_generate(T0, max_new_tokens, self.config.block_size, temperature, top_k)
         if max_new_tokens == 0:
             return idx
-        self.setup_caches(B, total)
+        self.setup_caches(B, T0 + max_new_tokens)
         sampling = (temperature, top_k, generator)
         tok = prefill(self, idx, torch.arange(T0, device=idx.device), *sampling)
         rest = decode_n_tokens(self, tok, torch.tensor([T0], device=idx.device), max_new_tokens - 1, *sampling)
