@@ -576,16 +576,16 @@ def resume_command(out_dir, world):
     return f'{launch} --init_from=resume --out_dir={out_dir}'
 
 
-# how train.py's end at a non-finite loss or gradient norm begins, "... at iteration N; ...": study.py
-# reads it from a run's output to record the cell as diverged at N
+# how train.py's end at a non-finite loss or gradient norm begins ("DIVERGED at iteration N (loss ...")):
+# study.py reads it from a run's output to record the cell as diverged at N
 DIVERGED = 'non-finite loss or gradient'
 
 
 class Stopped(SystemExit):
     """An end of the run that every rank reaches at the same point: Run.stop's (a signal, exit
-    128 + its number, where Run's contract says) or a non-finite loss or gradient norm (train.py, DIVERGED: the
-    step's all-reduce shows it to every rank). Leaving the Run, the ranks end their processes
-    together (end_processes), as at a finished run."""
+    128 + its number, where Run's contract says) or a non-finite loss or gradient norm (train.py,
+    DIVERGED: the step's all-reduce shows it to every rank). Leaving the Run, the ranks end their
+    processes together (end_processes), as at a finished run."""
 
 
 class Cut(BaseException):

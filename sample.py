@@ -12,7 +12,6 @@ greedy decoding; top_k=0 keeps every token. max_new_tokens=0 fills the checkpoin
 (block_size) after the prompt.
 """
 
-import math
 import os
 import sys
 
@@ -20,7 +19,7 @@ import torch
 
 from configurator import ConfigError, check_at_least, check_compiler, configure, resolve_device, run_command, set_tf32
 from data.common import decode, encode_prompt
-from model import unfused
+from model import check_sampling, unfused
 from runs import load_model
 
 # -----------------------------------------------------------------------------
@@ -59,8 +58,10 @@ def validate(cfg):
     if not cfg['ckpt']:
         raise ConfigError("usage: python sample.py --ckpt=OUT_DIR/ckpt.pt [--start=...]")
     check_at_least(cfg, 0, ('temperature', 'top_k', 'max_new_tokens'))
-    if cfg['temperature'] == math.inf:  # every logit / T is 0: top_k would keep every token
-        raise ConfigError("temperature=inf must be a finite number >= 0 (0: greedy)", keys=('temperature',))
+    try:  # model's own check (an infinite temperature), as a config error; top_k 0 keeps every token
+        check_sampling(cfg['temperature'], cfg['top_k'] or None)
+    except ValueError as e:
+        raise ConfigError(str(e), keys=('temperature',)) from None
     check_at_least(cfg, 1, ('num_samples',))
 
 

@@ -118,9 +118,8 @@ def check_inputs(paths, fix):
         raise SystemExit(f"no input files given. {fix}")
     for p in paths:
         if not os.path.isfile(p):
-            made_by = (" (python data/mix7/build_corpora.py downloads that folder's texts)"
-                       if os.path.realpath(os.path.dirname(p)) == os.path.join(os.path.realpath(DATA_DIR), "downloads", "mix7")
-                       else "")
+            mix7 = os.path.realpath(os.path.dirname(p)) == os.path.join(os.path.realpath(DATA_DIR), "downloads", "mix7")
+            made_by = " (python data/mix7/build_corpora.py downloads that folder's texts)" if mix7 else ""
             raise SystemExit(f"input file not found: {p}{made_by}. {fix}")
     for p in paths:
         if not str(p).lower().endswith(".parquet"):
