@@ -225,6 +225,39 @@ def batch_rng(seed, *stream):
     return np.random.default_rng(np.random.SeedSequence([seed, *stream]))
 
 
+# the split files of the runs alive in this process, by path (read_dataset): tokens() maps these
+_OPEN_SPLITS = {}
+
+
+@contextmanager
+def read_dataset(folder):
+    """Within it, tokens(folder, split) maps the train.bin and val.bin that were there when it
+    began, open until it ends. prepare.py writes a new file and renames it over the old one
+    (data.common), and an open file keeps the old one: a dataset prepared again while a run
+    trains changes nothing the run reads, its last steps and final losses included. Run holds it
+    for the whole run."""
+    files = {}
+    try:
+        for split in ('train', 'val'):
+            path = os.path.join(folder, f'{split}.bin')
+            files[path] = open(path, 'rb')
+        _OPEN_SPLITS.update(files)
+        yield
+    finally:
+        for path, f in files.items():
+            if _OPEN_SPLITS.get(path) is f:
+                del _OPEN_SPLITS[path]
+            f.close()
+
+
+def tokens(folder, split):
+    """The token ids of folder/split.bin, a uint16 np.memmap (n,): of the file read_dataset opened
+    while a run holds it, else of the path. Mapped anew at each call: a long-lived np.memmap grows
+    the process's resident memory."""
+    path = os.path.join(folder, f'{split}.bin')
+    return np.memmap(_OPEN_SPLITS.get(path, path), dtype=np.uint16, mode='r')
+
+
 def windows(data, starts, block_size, device):
     """x, y (len(starts), T) int64 on device: data[s : s + T] and the same shifted by one token."""
     x = torch.from_numpy(np.stack([data[i:i + block_size] for i in starts]).astype(np.int64))
@@ -245,8 +278,7 @@ def final_losses(model, folder, cfg, env):
     Under DDP the windows are split over ranks and the sums all-reduced.
     """
     T = cfg.block_size
-    val = np.memmap(os.path.join(folder, 'val.bin'), dtype=np.uint16, mode='r')
-    train = np.memmap(os.path.join(folder, 'train.bin'), dtype=np.uint16, mode='r')
+    val, train = tokens(folder, 'val'), tokens(folder, 'train')
     n_windows = (len(val) - 1) // T
     train_starts = batch_rng(cfg.seed, 3).integers(len(train) - T, size=n_windows)
     return tuple(mean_ce(model, data, starts, cfg.batch_size, T, env, f'final {split} loss')
@@ -1008,12 +1040,14 @@ class Run:
         self.cfg, self.env, self.state, self.iter_num = cfg, env, state, iter_num
         self.lock = claim_out_dir(cfg, iter_num) if env.master else None  # held until the process ends
         self.ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
-        self.progress = Progress(cfg, env, folder, hint)
+        self.progress, self.folder = Progress(cfg, env, folder, hint), folder
         self.signals = StopSignal(talk=env.master, doing=self.doing)
         self.current, self.asked, self.cut_at, self.said = None, False, None, set()
         self.first_iter = iter_num
 
     def __enter__(self):
+        self.dataset = read_dataset(self.folder)  # the files the run began on, to its end
+        self.dataset.__enter__()
         self.signals.__enter__()
         return self
 
@@ -1030,6 +1064,7 @@ class Run:
         finally:
             self.signals.__exit__(exc_type, exc, tb)
             self.signals.doing = None  # the bound method's cycle would keep the lock after the run returns
+            self.dataset.__exit__(None, None, None)
         if exc is None or isinstance(exc, SystemExit):
             return
         saved = (f"{self.ckpt_path} (the last checkpoint) is whole" if os.path.exists(self.ckpt_path)

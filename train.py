@@ -46,7 +46,7 @@ from gpt2 import GPT2_MODELS, PRETRAINED_SHAPE, PretrainedError, from_pretrained
 from model import GPT, GPTConfig, branch_mismatch
 from runs import (DIVERGED, Run, Stopped, batch_rng, check_same_data, compile_model, end_processes, final_losses,
                   final_record, find_dataset, load_weights, model_from_state_dict, resume_command, resume_config,
-                  setup, sync, windows, wrap_ddp)
+                  setup, sync, tokens, windows, wrap_ddp)
 
 # -----------------------------------------------------------------------------
 # data
@@ -281,7 +281,7 @@ def train_batch(folder, cfg, env, it, micro):
     if cfg.sampler == 'random':
         return get_batch(folder, 'train', batch_rng(cfg.seed, 0, it, env.rank, micro), cfg.batch_size,
                          cfg.block_size, env.dev)
-    data = np.memmap(os.path.join(folder, 'train.bin'), dtype=np.uint16, mode='r')
+    data = tokens(folder, 'train')
     first = ((it * env.world + env.rank) * cfg.gradient_accumulation_steps + micro) * cfg.batch_size
     order = epoch_order(len(data), cfg.block_size, cfg.seed)
     return windows(data, order[first:first + cfg.batch_size] * cfg.block_size, cfg.block_size, env.dev)
@@ -289,8 +289,7 @@ def train_batch(folder, cfg, env, it, micro):
 
 def get_batch(folder, split, rng, batch_size, block_size, device):
     """Random windows of one split: x, y of shape (B, T), y shifted by one token."""
-    # re-open the memmap per batch: a long-lived np.memmap grows the resident memory
-    data = np.memmap(os.path.join(folder, f'{split}.bin'), dtype=np.uint16, mode='r')
+    data = tokens(folder, split)
     return windows(data, rng.integers(len(data) - block_size, size=batch_size), block_size, device)
 
 

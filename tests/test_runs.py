@@ -189,6 +189,34 @@ def test_a_signal_during_an_evaluation_cuts_it_short_and_saves_the_step_before_i
     assert without_timing(read_log(out)) == without_timing(read_log(tmp_path / 'straight'))
 
 
+def test_a_dataset_prepared_again_mid_run_changes_nothing_the_run_reads(toy_data, tmp_path, monkeypatch):
+    """prepare.py renames a new train.bin and val.bin over the old ones (nanoGPT#428: a memmap made
+    by path per batch reads the new ones). Replaced so after iteration 3, with other tokens, both
+    split files leave the run's later steps, evaluations and final losses those of an undisturbed
+    run; a run started afterwards reads the new files."""
+    straight, replaced = tmp_path / 'straight', tmp_path / 'replaced'
+    train.main(toy_args(toy_data, straight, sampler='epoch', max_iters=12, lr_decay_iters=12))
+    folder = toy_data / 'toy'
+    real_step = train.train_step
+
+    def train_step(*args):
+        if args[6] == 4:  # it: the data prepared again, as data.common writes it
+            for split in ('train', 'val'):
+                path = folder / f'{split}.bin'
+                new = (np.fromfile(path, dtype=np.uint16)[::-1] * 7 % 64).astype(np.uint16)
+                new.tofile(folder / f'{split}.bin.tmp')
+                os.replace(folder / f'{split}.bin.tmp', path)
+        return real_step(*args)
+
+    monkeypatch.setattr(train, 'train_step', train_step)
+    train.main(toy_args(toy_data, replaced, sampler='epoch', max_iters=12, lr_decay_iters=12))
+    assert without_timing(read_log(replaced)) == without_timing(read_log(straight))
+    monkeypatch.setattr(train, 'train_step', real_step)
+    after = tmp_path / 'after'
+    train.main(toy_args(toy_data, after, sampler='epoch', max_iters=12, lr_decay_iters=12))
+    assert read_log(after)[0]['loss'] != read_log(straight)[0]['loss']
+
+
 @pytest.mark.parametrize('where', ['the final save', 'the final losses'])
 def test_a_signal_after_the_loop_exits_143_with_its_line(toy_data, tmp_path, monkeypatch, capfd, where,
                                                          no_default_sigterm):
