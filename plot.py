@@ -475,10 +475,20 @@ def shock_plot(plt, pairs, labels, out, title, steps, smooth):
 
 def check_out(out):
     """ConfigError unless --out names an image file: a folder, or a name without a format suffix, made
-    matplotlib write OUT.png beside it while plot.py said it wrote OUT."""
+    matplotlib write OUT.png beside it while plot.py said it wrote OUT; a suffix matplotlib has no
+    writer for (--out=lr_v1.2) failed in savefig, after the plot was drawn."""
     check_out_file(out, 'the image', 'plot.png')
-    if not os.path.splitext(out)[1]:
+    suffix = os.path.splitext(out)[1]
+    if not suffix:
         raise ConfigError(f"--out={out} has no format suffix: name the image with one, e.g. --out={out}.png")
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return  # main says to install it
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix[1:].lower() not in formats:  # savefig's ValueError came after all the work
+        raise ConfigError(f"--out={out}: matplotlib writes no {suffix} images (what follows the name's last dot "
+                          f"is its format): end it with one of .{', .'.join(sorted(formats))}, e.g. --out={out}.png")
 
 
 def save_figure(fig, out):

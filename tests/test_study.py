@@ -140,10 +140,15 @@ def test_plot_draws_the_runs_of_a_study(tiny_matrix, tmp_path):
     with pytest.raises(SystemExit, match='log.jsonl not found'):
         plot.main([f'--runs={tmp_path}/none', f'--out={png}'])
     for bad, says in ((tmp_path, f'names a folder: --out is the image to write, e.g. --out={tmp_path}/plot.png'),
-                      (tmp_path / 'p', f'has no format suffix: name the image with one, e.g. --out={tmp_path}/p.png')):
+                      (tmp_path / 'p', f'has no format suffix: name the image with one, e.g. --out={tmp_path}/p.png'),
+                      (tmp_path / 'lr_v1.2', ': matplotlib writes no .2 images (what follows the name\'s last dot is its '
+                                             'format): end it with one of .'),
+                      (tmp_path / 'p.txt', ': matplotlib writes no .txt images')):
         with pytest.raises(SystemExit) as e:  # matplotlib wrote BAD.png while plot.py said it wrote BAD
             plot.main([f'--runs={out}/baseline-end-s1', f'--out={bad}'])
-        assert str(e.value) == f'config error: --out={bad} {says}'
+        assert str(e.value).startswith(f'config error: --out={bad}{says}' if says[0] == ':' else
+                                       f'config error: --out={bad} {says}')
+        assert says[0] != ':' or ('.png, ' in str(e.value) and str(e.value).endswith(f'e.g. --out={bad}.png'))
     for bad, says in (('--smooth=0', 'smooth=0 must be >= 1'), ('--shock_steps=-1', 'shock_steps=-1 must be >= 1'),
                       ('--ce_span=-1.0', 'ce_span=-1.0 must be >= 0'), ('--ce_span=1e400', 'ce_span=inf: give a finite'),
                       ('--max_iter=-1', 'max_iter=-1 must be >= 0')):  # a ZeroDivisionError, or empty panels
