@@ -57,7 +57,8 @@ NO_BPE = ("could not load the GPT-2 BPE from tiktoken: offline, point TIKTOKEN_C
 def get_encoder():
     """The tiktoken "gpt2" Encoding, loaded once per process (offline: from TIKTOKEN_CACHE_DIR).
     SystemExit in one line, NO_BPE and the cause, if tiktoken cannot load the encoding (offline
-    without a cache).
+    without a cache; with TIKTOKEN_CACHE_DIR set, the line says the folder lacks the files or holds
+    a damaged one).
     """
     global _encoder
     if _encoder is None:
@@ -66,7 +67,10 @@ def get_encoder():
             _encoder = tiktoken.get_encoding("gpt2")
         except Exception as e:  # tiktoken raises requests/OS errors when it has to download
             cause = (str(e).splitlines() or [""])[0]  # a connection error's text runs to 100 lines
-            raise SystemExit(f"{NO_BPE} ({type(e).__name__}: {cause[:120]})") from None
+            cache = os.environ.get("TIKTOKEN_CACHE_DIR")
+            given = (f"; TIKTOKEN_CACHE_DIR={cache} is set, but lacks them or holds one that failed tiktoken's "
+                     "hash check (tiktoken deletes such a file): copy them in again" if cache else "")
+            raise SystemExit(f"{NO_BPE} ({type(e).__name__}: {cause[:120]}){given}") from None
     return _encoder
 
 

@@ -244,6 +244,7 @@ def test_offline_without_tiktokens_files_a_script_says_so_in_one_line_and_the_te
                         "--out_dir=o"], cwd=tmp_path, env=offline_env(tmp_path / "cache"), capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.startswith(common.NO_BPE + " (") and len(r.stderr.splitlines()) == 1, r.stderr
+    assert f"; TIKTOKEN_CACHE_DIR={tmp_path / 'cache'} is set, but lacks them or holds one that failed" in r.stderr
     tests = ["test_split_exact_pieces_encode_like_the_whole_text",
              "test_text_bad_inputs_give_clear_errors[args4-too short]",
              "test_build_vocab_orders_by_count_then_id_and_always_keeps_eot"]  # the last needs no BPE
