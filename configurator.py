@@ -275,9 +275,13 @@ def configure(argv, module_globals, choices=None, validate=None):
 
 
 def run_command(main):
-    """main(sys.argv[1:]), for an inference script's `if __name__ == '__main__'`. Its output piped into
-    a reader that stops early (`python sample.py ... | head`) ends it quietly with status 1, as
-    Python's documentation advises for EPIPE, not with a BrokenPipeError traceback."""
+    """main(sys.argv[1:]), for a script's `if __name__ == '__main__'`. Its output piped into a reader
+    that stops early (`python sample.py ... | head`) ends it quietly with status 1, as Python's
+    documentation advises for EPIPE, not with a BrokenPipeError traceback. A character its stdout's
+    encoding lacks (λ, γ̃, Δ, generated text: a file on Windows is cp1252) is written as an escape
+    such as \\u03bb, as stderr does by default, not raised as a UnicodeEncodeError mid-run."""
+    if hasattr(sys.stdout, 'reconfigure'):  # a TextIOWrapper; not a test's capture
+        sys.stdout.reconfigure(errors='backslashreplace')
     try:
         main(sys.argv[1:])
         sys.stdout.flush()  # the last buffered output is written here, inside the try

@@ -15,11 +15,10 @@ they differ.
 
 import os
 import shutil
-import sys
 
 import torch
 
-from configurator import ConfigError, configure
+from configurator import ConfigError, configure, run_command
 from fold import CheckError, max_logit_error
 from gpt2 import PretrainedError, export_gpt2, from_pretrained
 from runs import load_model
@@ -63,4 +62,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-    main(sys.argv[1:])
+    run_command(main)

@@ -15,9 +15,8 @@ matrices): each variant's paired gap to the baseline against the tokens seen. Ne
 import math
 import os
 import statistics
-import sys
 
-from configurator import ConfigError, check_at_least, check_out_file, configure
+from configurator import ConfigError, check_at_least, check_out_file, configure, run_command
 
 # -----------------------------------------------------------------------------
 runs = ''                   # comma-separated out_dirs (each with a log.jsonl)
@@ -584,4 +583,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-    main(sys.argv[1:])
+    run_command(main)

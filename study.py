@@ -45,7 +45,7 @@ except ImportError:  # Windows: tables only (--run=False); main says so before r
     fcntl = None
 
 import runs
-from configurator import check_at_least, configure, defaults_of, parse_args, resolve_device, uses_tf32
+from configurator import check_at_least, configure, defaults_of, parse_args, resolve_device, run_command, uses_tf32
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -1198,4 +1198,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-    main(sys.argv[1:])
+    run_command(main)

@@ -31,7 +31,6 @@ except keys set explicitly, which must agree with it.
 import functools
 import math
 import os
-import sys
 import time
 from types import SimpleNamespace
 
@@ -41,7 +40,7 @@ from tqdm import tqdm
 
 from baselines import FAKELN_EVENTS, NORM_FREE, fakeln_step, final_dyt_saturated, remove_norms, saturation_warning
 from configurator import (ConfigError, assigned_keys, changed_keys, check_at_least, check_compiler, config_files,
-                          configure, defaults_of, keys_set, overlay_rank)
+                          configure, defaults_of, keys_set, overlay_rank, run_command)
 from gpt2 import GPT2_MODELS, PRETRAINED_SHAPE, PretrainedError, from_pretrained, pretrained_args
 from model import GPT, GPTConfig, branch_mismatch
 from runs import (DIVERGED, Run, Stopped, batch_rng, check_same_data, compile_model, end_processes, final_losses,
@@ -647,4 +646,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-    main(sys.argv[1:])
+    run_command(main)

@@ -189,6 +189,21 @@ def test_a_signal_during_an_evaluation_cuts_it_short_and_saves_the_step_before_i
     assert without_timing(read_log(out)) == without_timing(read_log(tmp_path / 'straight'))
 
 
+def test_a_stdout_that_cannot_encode_greek_letters_gets_escapes_not_a_traceback(toy_data, tmp_path):
+    """PYTHONIOENCODING=ascii (a redirected stdout on Windows is cp1252, which has no λ or Δ):
+    train.py's header and fold.py's Δ come out as \\u escapes (configurator.run_command) and both
+    exit 0, where a UnicodeEncodeError ended train.py before its first step and fold.py after it
+    had written its file (ValvePython/steamctl#67's case)."""
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONIOENCODING='ascii')
+    out = tmp_path / 'run'
+    r = subprocess.run([sys.executable, 'train.py', *toy_args(toy_data, out)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and ' \\u03bb=0.1 ' in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, 'fold.py', f'--ckpt={out / "ckpt.pt"}', f'--out={tmp_path / "f.pt"}'],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and 'max |\\u0394 logit| unfolded' in r.stdout, r.stderr
+
+
 def test_a_dataset_prepared_again_mid_run_changes_nothing_the_run_reads(toy_data, tmp_path, monkeypatch):
     """prepare.py renames a new train.bin and val.bin over the old ones (nanoGPT#428: a memmap made
     by path per batch reads the new ones). Replaced so after iteration 3, with other tokens, both
