@@ -7,7 +7,8 @@ Export a checkpoint whose norms still normalize as a Hugging Face transformers G
 
 A baseline with LayerNorm exports, and so does a TaperNorm checkpoint from its gate warmup or a
 FakeLN one from before its first removal; a model GPT-2 cannot express is refused with one line:
-RMSNorm, tapered (taper or linear phase), folded, or FakeLN after a removal. Needs transformers
+RMSNorm, tapered (taper or linear phase), folded, or FakeLN after a removal; so is one trained on a
+compact vocabulary (a GPT-2 folder's token ids are GPT-2's own). Needs transformers
 (pip install transformers). The script checks its work: it loads the folder back and compares
 teacher-forced logits with the checkpoint's (fold.max_logit_error), and removes the folder if
 they differ.
@@ -41,7 +42,13 @@ def validate(cfg):
 def main(argv):
     """Export --ckpt to --out and check it; returns the largest |Δ logit|."""
     cfg = configure(argv, globals(), validate=validate)
-    model, _ = load_model(cfg.ckpt)
+    model, ckpt = load_model(cfg.ckpt)
+    meta = ckpt.get('meta') or {}
+    if meta.get('unk_id') is not None:  # a folder's ids are GPT-2's own to a tokenizer and to --init_from
+        raise SystemExit(f"{cfg.ckpt} was trained on a compact vocabulary ({meta['vocab_size']:,} ids that its "
+                         "dataset's meta.json maps to GPT-2's): a GPT-2 folder's ids are read as GPT-2's own, so its "
+                         "text would decode wrong. Export a model trained on a dataset prepared with the full GPT-2 "
+                         "vocabulary (--vocab_size=0)")
     try:
         export_gpt2(model, cfg.out)
         back = from_pretrained(cfg.out).eval()

@@ -302,6 +302,13 @@ def test_export_script_checks_its_work_and_refuses_in_one_line(tmp_path, capsys)
     runs.save_checkpoint({'model': rms.state_dict(), 'model_args': vars(rms.config)}, str(tmp_path / 'b.pt'))
     with pytest.raises(SystemExit, match=r'b\.pt: cannot export as GPT-2: its norms are RMSNorm'):
         export_gpt2.main([f'--ckpt={tmp_path / "b.pt"}', f'--out={tmp_path / "hf2"}'])
+    compact = {'vocab_size': 40, 'unk_id': 39, 'eot_id': 0, 'tokenizer': 'gpt2'}  # a prepare.py meta.json's keys
+    runs.save_checkpoint({'model': model.state_dict(), 'model_args': vars(model.config), 'meta': compact},
+                         str(tmp_path / 'c.pt'))  # its ids are not GPT-2's: a tokenizer would decode other text
+    with pytest.raises(SystemExit, match=r'c\.pt was trained on a compact vocabulary \(40 ids .* prepared with the '
+                                         r'full GPT-2 vocabulary \(--vocab_size=0\)$'):
+        export_gpt2.main([f'--ckpt={tmp_path / "c.pt"}', f'--out={tmp_path / "hf3"}'])
+    assert not (tmp_path / 'hf3').exists()
 
 
 def test_export_script_help_lists_every_key(capsys):
