@@ -30,6 +30,8 @@ import json
 import multiprocessing
 import os
 import re
+import signal
+import sys
 from collections import deque
 from typing import NamedTuple
 
@@ -277,7 +279,8 @@ def encode_documents(docs, path, desc="encode", num_proc=NUM_PROC, batch_chars=B
         # small inputs (tests, tiny corpora) are not worth starting processes for
         results, pool = map(_encode_batch, itertools.chain(head, batches)), None
     else:
-        pool = multiprocessing.Pool(num_proc)
+        # Ctrl-C reaches every process of the terminal's group: the workers leave it to this one
+        pool = multiprocessing.Pool(num_proc, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
         results = _bounded_imap(pool, _encode_batch, itertools.chain(head, batches), 2 * num_proc)
     doc_ends = []
     try:
@@ -398,6 +401,7 @@ def scratch_files(out_dir, *names):
     leaves no empty data/<name>/ behind. A folder that existed before is always kept. A full
     filesystem is a SystemExit in one line: failing in pass 1, it leaves a dataset already there
     whole; in pass 2, write_dataset has removed its meta.json, so the folder no longer reads as one.
+    Ctrl-C (SIGINT) is one line saying which of the two it left, and exit status 130.
     """
     created = not os.path.isdir(out_dir)
     try:
@@ -408,6 +412,13 @@ def scratch_files(out_dir, *names):
     paths = {name: os.path.join(out_dir, f"{name}.gpt2.tmp") for name in names}
     try:
         yield paths
+    except KeyboardInterrupt:
+        meta = os.path.join(out_dir, "meta.json")
+        left = ("a dataset already there is whole" if os.path.exists(meta) else
+                f"{out_dir} holds no whole dataset (no meta.json): prepare it again" if os.path.exists(out_dir)
+                and any(n.endswith(".bin") for n in os.listdir(out_dir)) else "no dataset was written")
+        print(f"stopped by SIGINT preparing the dataset: {left}", file=sys.stderr)
+        raise SystemExit(130) from None
     except Exception as e:
         if (denied := os_error(e, NOT_WRITABLE)) is not None:
             raise SystemExit(f"cannot write in {os.path.abspath(out_dir)} ({denied.strerror}) preparing the dataset: "

@@ -235,6 +235,33 @@ def offline_env(cache):
                 HTTP_PROXY="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9")
 
 
+def test_ctrl_c_while_preparing_is_one_line_and_a_dataset_already_there_stays_whole(enc, tmp_path):
+    """SIGINT to prepare.py's process group (what Ctrl-C sends) while its encoder processes work
+    (an input of more than two batches): exit 130 and one line saying what it left, no traceback
+    (a worker's 'Process ForkPoolWorker-2:' shows only when the signal meets it between tasks, so
+    this may miss the workers' part); the scratch files are gone, and a dataset prepared there
+    before keeps its files byte for byte."""
+    import signal
+    import time
+    (tmp_path / "small.txt").write_text(make_corpus())
+    (tmp_path / "big.txt").write_text(make_corpus(n_lines=1200) * 200)  # about 7 MB: > 2 × BATCH_CHARS
+    prepare = [sys.executable, str(REPO / "data" / "text" / "prepare.py"), "--name=x", "--out_dir=o"]
+    subprocess.run([*prepare, "--input=small.txt"], cwd=tmp_path, check=True, capture_output=True, timeout=120)
+    before = {n: (tmp_path / "o" / n).read_bytes() for n in ("train.bin", "val.bin", "meta.json")}
+    proc = subprocess.Popen([*prepare, "--input=big.txt"], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    scratch, t0 = tmp_path / "o" / "train.gpt2.tmp", time.time()
+    while not (scratch.exists() and scratch.stat().st_size > 0) and time.time() - t0 < 120:
+        time.sleep(0.05)  # pass 1: the workers are encoding
+    os.killpg(proc.pid, signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    said = [line for line in err.replace("\r", "\n").splitlines() if line and not line.startswith(("train:", "val:"))]
+    assert proc.returncode == 130 and said == ["stopped by SIGINT preparing the dataset: a dataset already there "
+                                               "is whole"], err  # tqdm's bars aside; not 'Process ForkPoolWorker-2:'
+    assert sorted(os.listdir(tmp_path / "o")) == sorted(before)
+    assert all((tmp_path / "o" / n).read_bytes() == b for n, b in before.items())
+
+
 def test_offline_without_tiktokens_files_a_script_says_so_in_one_line_and_the_tests_needing_them_skip(tmp_path):
     """A script stops with common.NO_BPE and the cause in one line; the test suite skips the tests that need
     the BPE (one through a fixture, one inside pytest.raises(SystemExit)) under that line, once, and runs
