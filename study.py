@@ -8,7 +8,8 @@ Run a declared matrix of train.py runs, resumably, two at a time, and build the 
     python study.py --matrix=ladder --device=cuda --jobs=8 --study_dir=study_cuda  # on a GPU, float32
 
 Every cell gets its own out_dir (study_dir/NAME). A cell whose log.jsonl has final_val_loss is
-skipped; one with a ckpt.pt continues with --init_from=resume; one whose loss went non-finite
+skipped (its record keeps the configuration it ran with: a matrix edited under it is refused,
+check_unchanged); one with a ckpt.pt continues with --init_from=resume; one whose loss went non-finite
 is recorded as diverged (with its iteration) and never retried. After each cell, its summary
 goes into study_dir/results.json (with the git commit, torch version, thread count, device and
 dtype it ran with, and its wall time summed over every train.py run it took), written
@@ -36,6 +37,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import torch
 
@@ -647,20 +649,20 @@ def run_held_cell(name, args, out_dir, results, threads, isa, lock, stop):
                       flush=True)
                 return 'failed'
             it = int(tail.rsplit(f'{runs.DIVERGED} at iteration ', 1)[1].split()[0])
-            results.put(name, dict(status='diverged', diverged_at=it, args=args, data=data_of(args),
+            results.put(name, dict(status='diverged', diverged_at=it, args=args, config=acting_config(args), data=data_of(args),
                                    **provenance(wall, threads, args, isa)))
             print(f"{name}: diverged at iteration {it}", flush=True)
             return 'diverged'
         records, status = read_log(out_dir), 'finished'
-        results.put(name, dict(status=status, args=args, data=data_of(args), **provenance(wall, threads, args, isa),
-                               **summarize(records)))
+        results.put(name, dict(status=status, args=args, config=acting_config(args), data=data_of(args),
+                               **provenance(wall, threads, args, isa), **summarize(records)))
         print(f"{name}: final_val_loss {results.data['cells'][name]['final_val_loss']:.4f} "
               f"({wall['wall_s'] / 60:.1f} min over {wall['segments']} run(s))", flush=True)
         return status
     # a finished cell's summary is rebuilt from its log, so a new summary field reaches old cells
     old = results.data['cells'].get(name)
     if old is None or old.get('status') != 'finished':  # finished before results.json knew
-        old = dict(status=status, args=args, **provenance({'wall_s': None}, threads, args))
+        old = dict(status=status, args=args, config=acting_config(args), **provenance({'wall_s': None}, threads, args))
     new = {**old, **summarize(records)}
     if new != old:
         results.put(name, new)
@@ -679,6 +681,32 @@ def data_of(args):
     tokens = {s: os.path.getsize(os.path.join(folder, f'{s}.bin')) // 2 for s in ('train', 'val')}
     digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
     return dict(dataset=cfg['dataset'], tokens=tokens, meta_sha256=digest)
+
+
+def acting_config(args):
+    """What a cell's record keeps of its configuration, and an edited matrix is checked against
+    (check_unchanged): cell_config's keys that act in the run (train.ACTS_WHEN), less out_dir."""
+    import train
+    cfg = cell_config(args)
+    idle = {k for k, acts in train.ACTS_WHEN.items() if not acts(SimpleNamespace(**cfg))}
+    return {k: v for k, v in cfg.items() if k not in idle and k != 'out_dir'}
+
+
+def check_unchanged(cells, records):
+    """SystemExit before any cell runs or table is written, unless each cell whose record keeps its
+    configuration (`config`: records from before that key are not checked) would run with it again:
+    a matrix edited under a finished cell would otherwise skip the cell and tabulate its old result
+    as the new arguments'. The message names each cell and each key, old value → new."""
+    changed = []
+    for name, args in cells.items():
+        old = records.get(name, {}).get('config')
+        if old is not None and old != (new := acting_config(args)):
+            keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+            changed.append(f"{name} ({', '.join(f'{k}: {old.get(k)!r} → {new.get(k)!r}' for k in keys)})")
+    if changed:
+        raise SystemExit(f"the matrix changed under {len(changed)} recorded cell(s): {'; '.join(changed)}. Their records "
+                         "hold the old configuration's results: give the new cells new names, or restore the matrix "
+                         "(or move each folder away and delete its entry in results.json)")
 
 
 def check_comparable(cells, args):
@@ -1162,6 +1190,7 @@ def main(argv):
         cells = on_device(cells, cfg.device, cfg.study_dir)
     os.makedirs(cfg.study_dir, exist_ok=True)
     results = Results(os.path.join(cfg.study_dir, 'results.json'))
+    check_unchanged(cells, results.data['cells'])
     if cfg.run and fcntl is None:
         raise SystemExit("study.py runs cells on Linux and macOS only: it locks each cell and results.json with "
                          "fcntl, which Windows lacks (run it under WSL); --run=False prints the tables here")

@@ -32,6 +32,32 @@ def toy_data_dir(cells):
     return Path(data_dir.split('=', 1)[1]) / 'toy'
 
 
+def test_a_matrix_edited_under_a_finished_cell_is_refused_naming_the_keys(tiny_matrix, tmp_path, monkeypatch):
+    """A finished cell whose matrix entry changes (transformers#18070's case, for a study): its record
+    keeps the configuration that acts (not out_dir, not a key this run does not use), so the next
+    study.py, running or only tabulating, refuses before any cell runs and names each key, old → new,
+    instead of skipping the cell and tabulating its old result as the new arguments'. A change to a
+    key that does not act, and a record from before the key, pass."""
+    out, cell = tmp_path / 'study', 'all-end-s1'
+    data = study.main(['--matrix=tiny', f'--study_dir={out}', f'--only={cell}'])
+    config = data['cells'][cell]['config']
+    assert (config['taper_iters'], config['n_embd'], config['calibration']) == (4, 16, 'end')
+    assert 'out_dir' not in config and 'fakeln_interval' not in config  # no FakeLN here: it does not act
+    edit = lambda extra: {n: a + (extra if n == cell else []) for n, a in tiny_matrix.items()}
+    monkeypatch.setitem(study.MATRICES, 'tiny', edit(['--taper_iters=6', '--fakeln_interval=7']))
+    for run in ('True', 'False'):
+        with pytest.raises(SystemExit, match=rf"^the matrix changed under 1 recorded cell\(s\): {cell} "
+                                             r"\(taper_iters: 4 → 6\)\. Their records hold the old"):
+            study.main(['--matrix=tiny', f'--study_dir={out}', f'--run={run}', f'--only={cell}'])
+    monkeypatch.setitem(study.MATRICES, 'tiny', edit(['--fakeln_interval=7']))
+    study.main(['--matrix=tiny', f'--study_dir={out}', f'--only={cell}'])  # an idle key: the same run
+    results = json.loads((out / 'results.json').read_text())
+    del results['cells'][cell]['config']
+    (out / 'results.json').write_text(json.dumps(results))
+    monkeypatch.setitem(study.MATRICES, 'tiny', edit(['--taper_iters=6']))
+    study.main(['--matrix=tiny', f'--study_dir={out}', '--run=False', f'--only={cell}'])  # older: not checked
+
+
 def test_two_cells_run_skip_resume_and_record_divergence(tiny_matrix, tmp_path, capsys):
     out = tmp_path / 'study'
     data = study.main(['--matrix=tiny', f'--study_dir={out}', '--jobs=2'])
