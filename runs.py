@@ -603,9 +603,10 @@ def claim_out_dir(cfg, iter_num):
 
 def resume_command(out_dir, world):
     """The command that resumes the run in out_dir, launched as it was: python for one process,
-    torchrun for `world` processes (a run resumes on the number it was trained on)."""
+    torchrun for `world` processes (a run resumes on the number it was trained on); quoted for a
+    POSIX shell where out_dir needs it (a space)."""
     launch = 'python train.py' if world == 1 else f'torchrun --standalone --nproc_per_node={world} train.py'
-    return f'{launch} --init_from=resume --out_dir={out_dir}'
+    return f"{launch} --init_from=resume {shlex.quote(f'--out_dir={out_dir}')}"
 
 
 # how train.py's end at a non-finite loss or gradient norm begins ("DIVERGED at iteration N (loss ...")):

@@ -189,6 +189,16 @@ def test_a_signal_during_an_evaluation_cuts_it_short_and_saves_the_step_before_i
     assert without_timing(read_log(out)) == without_timing(read_log(tmp_path / 'straight'))
 
 
+def test_the_resume_command_survives_a_shell_when_out_dir_has_a_space():
+    """The printed command, pasted into a shell, gives train.py out_dir as one argument (amoffat/sh#756:
+    'runs/b' is neither a config file nor --key=value); a plain path prints as it is."""
+    import shlex
+    assert shlex.split(runs.resume_command('/tmp/my runs/b', 1)) == [
+        'python', 'train.py', '--init_from=resume', '--out_dir=/tmp/my runs/b']
+    assert runs.resume_command('out-x', 2) == ('torchrun --standalone --nproc_per_node=2 train.py --init_from=resume '
+                                               '--out_dir=out-x')
+
+
 def test_a_stdout_that_cannot_encode_greek_letters_gets_escapes_not_a_traceback(toy_data, tmp_path):
     """PYTHONIOENCODING=ascii (a redirected stdout on Windows is cp1252, which has no λ or Δ):
     train.py's header and fold.py's Δ come out as \\u escapes (configurator.run_command) and both
