@@ -464,6 +464,9 @@ def setup(cfg):
         torch.cuda.set_device(dev)  # torch.cuda.synchronize() and NCCL then use this device
     if ddp:
         be = ('nccl' if device_type == 'cuda' else 'gloo') if cfg.backend == 'auto' else cfg.backend
+        if be == 'nccl' and device_type != 'cuda':  # NCCL's own error: a traceback from every rank
+            raise SystemExit(f"config error: backend='nccl' reduces CUDA tensors, but this run is on {dev}: "
+                             "use --backend=gloo (or auto, which picks it off CUDA)")
         torch.distributed.init_process_group(backend=be, timeout=DDP_TIMEOUT)
         atexit.register(leave_gloo_group)
     tf32 = set_tf32(dev, dt)

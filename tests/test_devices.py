@@ -93,6 +93,18 @@ def test_under_ddp_every_rank_takes_the_device_of_its_local_rank(device, stand_i
     assert configurator.resolve_device('cuda:1') == ('cuda:1', 'bfloat16')  # without DDP, the index given
 
 
+def test_nccl_off_cuda_is_one_line_before_any_process_group(monkeypatch):
+    """torchrun on a CPU with --backend=nccl (pytorch#159742): every rank printed NCCL's 'Distributed
+    package doesn't have NCCL built in' traceback; now one line, before init_process_group."""
+    for key, value in {'RANK': '0', 'LOCAL_RANK': '0', 'WORLD_SIZE': '2'}.items():
+        monkeypatch.setenv(key, value)
+    cfg = SimpleNamespace(device='cpu', dtype='float32', backend='nccl', compile=False)
+    with pytest.raises(SystemExit, match=r"^config error: backend='nccl' reduces CUDA tensors, but this run is on "
+                                         r"cpu: use --backend=gloo"):
+        setup(cfg)
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.parametrize('env, missing', [({'RANK': '0', 'WORLD_SIZE': '1'}, 'LOCAL_RANK'),
                                           ({'RANK': '0'}, 'LOCAL_RANK and WORLD_SIZE')])
 def test_rank_without_torchruns_other_variables_is_one_line(monkeypatch, env, missing):
