@@ -1159,15 +1159,30 @@ def step_table(groups, base_name):
     return '\n'.join(lines)
 
 
+def marks(block):
+    return f'<!-- study:{block} -->', f'<!-- /study:{block} -->'
+
+
+def marked_blocks(path, names):
+    """(a markdown file's text, those of `names` whose marks it holds). SystemExit in one line if
+    path is not a file that can be read, or holds none of them: main checks --readme so before any
+    cell runs, not after hours of them."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            doc = f.read()
+    except OSError as e:  # a typo (FileNotFoundError), a folder
+        raise SystemExit(f"--readme={path}: {e.strerror}: name the markdown file whose study blocks to fill "
+                         "(docs/results.md, README.md)") from None
+    present = [b for b in names if all(m in doc for m in marks(b))]
+    if not present:
+        raise SystemExit(f"{path} has no " + " or ".join(' ... '.join(marks(b)) for b in names) + " block to fill")
+    return doc, present
+
+
 def write_between_markers(path, blocks):
     """Replace what lies between <!-- study:BLOCK --> and <!-- /study:BLOCK --> in a markdown file,
-    for each {BLOCK: text} whose markers the file holds; SystemExit if it holds none of them."""
-    with open(path, encoding='utf-8') as f:
-        doc = f.read()
-    marks = lambda b: (f'<!-- study:{b} -->', f'<!-- /study:{b} -->')
-    present = [b for b in blocks if all(m in doc for m in marks(b))]
-    if not present:
-        raise SystemExit(f"{path} has no " + " or ".join(' ... '.join(marks(b)) for b in blocks) + " block to fill")
+    for each {BLOCK: text} whose marks the file holds; SystemExit as marked_blocks."""
+    doc, present = marked_blocks(path, blocks)
     for b in present:
         start, end = marks(b)
         head, rest = doc.split(start, 1)
@@ -1188,6 +1203,10 @@ def main(argv):
         cells = {n: a for n, a in cells.items() if n in cfg.only.split(',')}
     if cfg.device:
         cells = on_device(cells, cfg.device, cfg.study_dir)
+    parts = {cfg.matrix: TABLES.get(cfg.matrix, ('losses', 'scales')),
+             **{b: p for b, p in TABLES.items() if b.startswith(cfg.matrix + ':')}}
+    if cfg.readme:
+        marked_blocks(cfg.readme, parts)
     os.makedirs(cfg.study_dir, exist_ok=True)
     results = Results(os.path.join(cfg.study_dir, 'results.json'))
     check_unchanged(cells, results.data['cells'])
@@ -1214,8 +1233,6 @@ def main(argv):
         results.data = results.read()  # with what another driver has written meanwhile
         done = {n: results.data['cells'][n] for n in cells if n in results.data['cells']}
         check_comparable(done, cells)
-        parts = {cfg.matrix: TABLES.get(cfg.matrix, ('losses', 'scales')),
-                 **{b: p for b, p in TABLES.items() if b.startswith(cfg.matrix + ':')}}
         blocks = {b: tables(done, p, cells, results.data['cells']) for b, p in parts.items()}
         print('\n\n'.join(blocks.values()))
         if cfg.readme and not done:  # the tables would be emptied: a wrong --study_dir, most likely

@@ -92,6 +92,12 @@ def test_two_cells_run_skip_resume_and_record_divergence(tiny_matrix, tmp_path, 
     with pytest.raises(SystemExit, match=f"no cell of matrix 'tiny' has finished in .*: {readme}'s tables are kept"):
         study.main(['--matrix=tiny', f'--study_dir={tmp_path / "elsewhere"}', '--run=False', f'--readme={readme}'])
     assert readme.read_text() == text  # was emptied tables, status 0
+    for bad, says in ((tmp_path / 'READEM.md', 'No such file or directory'), (tmp_path, 'Is a directory'),
+                      (tmp_path / 'intro.md', 'has no <!-- study:tiny --> ... <!-- /study:tiny --> block')):
+        (tmp_path / 'intro.md').write_text('intro\n')  # srinivasayush/docrunner#14: a traceback after every cell ran
+        with pytest.raises(SystemExit, match=re.escape(says)):
+            study.main(['--matrix=tiny', f'--study_dir={tmp_path / "fresh"}', f'--readme={bad}'])
+        assert not (tmp_path / 'fresh').exists()  # refused before a cell ran, or a folder was made
 
     with pytest.raises(SystemExit, match="only='nope': nope not in matrix 'tiny'"):
         study.main(['--matrix=tiny', f'--study_dir={out}', '--only=nope'])
