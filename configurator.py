@@ -137,7 +137,7 @@ def assigned_keys(path):
 
 def config_files(args):
     """The config files among a script's arguments, in the order given (the rest are --key=value)."""
-    return [a for a in args if not a.startswith('-') and '=' not in a and os.path.isfile(a)]
+    return [a for a in args if not a.startswith('-') and os.path.isfile(a)]
 
 
 def check_overlay_order(args):
@@ -208,7 +208,7 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',), origins=None):
             cfg[key] = check_type(key, value, defaults[key], arg, choices.get(key))
             if origins is not None:
                 origins[key] = arg
-        elif '=' in arg and arg.lstrip('-').partition('=')[0].isidentifier():
+        elif '=' in arg and arg.lstrip('-').partition('=')[0].isidentifier() and not os.path.isfile(arg):
             raise ConfigError(f"{arg}: did you mean --{arg.lstrip('-')}? Overrides start with two dashes")
         elif not os.path.isfile(arg):
             if arg.endswith('.py'):

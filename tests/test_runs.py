@@ -851,6 +851,19 @@ def test_a_config_file_named_without_its_folder_is_found_for_the_user(tmp_path, 
     assert 'did you mean' not in str(e.value)
 
 
+def test_a_config_file_with_an_equals_sign_in_its_name_runs_and_takes_its_overlay_place(tmp_path, monkeypatch):
+    """sweep/width=32.py (nanoGPT#362): it exists, so it is a config file, not a mistyped --width=32.py;
+    and as a base config it may not come after config/cpu.py, as any other."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'width=32.py').write_text('n_embd = 32\n')
+    assert train.load_config(['width=32.py']).n_embd == 32
+    cpu = os.path.join(ROOT, 'config', 'cpu.py')
+    with pytest.raises(SystemExit, match='width=32.py comes after the overlay .*cpu.py and would undo it'):
+        train.load_config([cpu, 'width=32.py'])
+    with pytest.raises(SystemExit, match=r'did you mean --n_embd=32\?'):
+        train.load_config(['n_embd=32'])  # no such file: the missing dashes
+
+
 def test_a_config_file_saved_with_a_byte_order_mark_runs_as_python_runs_it(tmp_path):
     path = tmp_path / 'notepad.py'
     path.write_bytes(b'\xef\xbb\xbfmax_iters = 17\n')  # UTF-8 with BOM: Windows Notepad's "UTF-8 with BOM"
