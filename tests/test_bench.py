@@ -154,8 +154,10 @@ def test_a_checkpoint_is_timed_next_to_a_baseline_of_its_shape(tmp_path, capsys)
     folded = models['internal_folded']
     path = tmp_path / 'folded.pt'
     save_checkpoint({'model': folded.state_dict(), 'model_args': vars(folded.config)}, str(path))
-    bench.main(TINY + [f'--ckpt={path}'])
-    results = {r['variant']: r for r in last_json(capsys)['results']}
+    bench.main(TINY + ['--size=1M', f'--ckpt={path}'])  # --size is not used: the record says no size
+    record = last_json(capsys)
+    results = {r['variant']: r for r in record['results']}
+    assert record['config']['size'] == '' and record['config']['n_layer'] == 2  # its shape, not --size's name
     assert results['ckpt_baseline']['speedup_vs_baseline'] == 1.0
     mine, base = results['ckpt:folded.pt'], results['ckpt_baseline']
     assert mine['speedup_vs_baseline'] == pytest.approx(mine['tokens_per_s'] / base['tokens_per_s'])
