@@ -1202,6 +1202,8 @@ def main(argv):
                              f"{cfg.matrix!r} ({', '.join(cells)})")
         cells = {n: a for n, a in cells.items() if n in cfg.only.split(',')}
     if cfg.device:
+        if cfg.run:  # a device this machine lacks: one line here, not a failure in every cell
+            resolve_device(cfg.device, 'float32')
         cells = on_device(cells, cfg.device, cfg.study_dir)
     parts = {cfg.matrix: TABLES.get(cfg.matrix, ('losses', 'scales')),
              **{b: p for b, p in TABLES.items() if b.startswith(cfg.matrix + ':')}}

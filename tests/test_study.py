@@ -579,6 +579,14 @@ def test_study_on_a_gpu_moves_every_cell_there_in_float32_into_its_own_folder():
         study.main(['--matrix=tiny', '--device=cuda', '--run=False', '--table=False'])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason='a machine without CUDA')
+def test_study_on_a_gpu_the_machine_lacks_is_one_line_before_any_cell(tmp_path):
+    """--device=cuda without a GPU: every cell started and failed on its own ('2 cell(s) failed')."""
+    with pytest.raises(SystemExit, match=r"^config error: device='cuda': this machine has no CUDA device"):
+        study.main(['--matrix=tiny', '--device=cuda', f'--study_dir={tmp_path / "study_cuda"}'])
+    assert not (tmp_path / 'study_cuda').exists()
+
+
 def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_once():
     tokens_per_step = 16 * 128  # config/cpu.py: batch 16 × context 128, one process
     cells = study.MATRICES['ladder']
