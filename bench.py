@@ -389,8 +389,8 @@ def main(argv):
     record = {'device': device_name(dev),
               'torch': torch.__version__, 'conditions': machine, 'mode': 'decode',
               'config': dict(size='' if cfg.ckpt else cfg.size, **{k: arch[k] for k in SHAPE},  # --ckpt: its shape
-                             batch_size=B, prompt_len=P, new_tokens=N, dtype=dt, tf32=tf32, trials=cfg.trials, seed=cfg.seed, mode='decode', compile=cfg.compile,
-                             ckpt=cfg.ckpt),
+                             batch_size=B, prompt_len=P, new_tokens=N, dtype=dt, tf32=tf32, trials=cfg.trials,
+                             seed=cfg.seed, mode='decode', compile=cfg.compile, ckpt=cfg.ckpt),
               'gate': errors, 'results': results}
     print(json.dumps(record))
     return record

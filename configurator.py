@@ -280,7 +280,7 @@ def run_command(main):
     documentation advises for EPIPE, not with a BrokenPipeError traceback. A character its stdout's
     encoding lacks (λ, γ̃, Δ, generated text: a file on Windows is cp1252) is written as an escape
     such as \\u03bb, as stderr does by default, not raised as a UnicodeEncodeError mid-run."""
-    if hasattr(sys.stdout, 'reconfigure'):  # a TextIOWrapper; not a test's capture
+    if hasattr(sys.stdout, 'reconfigure'):  # a TextIOWrapper (a StringIO put in its place has none)
         sys.stdout.reconfigure(errors='backslashreplace')
     try:
         main(sys.argv[1:])

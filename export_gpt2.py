@@ -20,6 +20,7 @@ import shutil
 import torch
 
 from configurator import ConfigError, configure, run_command
+from data.common import compact_vocabulary
 from fold import CheckError, max_logit_error
 from gpt2 import PretrainedError, export_gpt2, from_pretrained
 from runs import load_model
@@ -44,7 +45,7 @@ def main(argv):
     cfg = configure(argv, globals(), validate=validate)
     model, ckpt = load_model(cfg.ckpt)
     meta = ckpt.get('meta') or {}
-    if meta.get('unk_id') is not None:  # a folder's ids are GPT-2's own to a tokenizer and to --init_from
+    if compact_vocabulary(meta):  # a folder's ids are GPT-2's own to a tokenizer and to --init_from
         raise SystemExit(f"{cfg.ckpt} was trained on a compact vocabulary ({meta['vocab_size']:,} ids that its "
                          "dataset's meta.json maps to GPT-2's): a GPT-2 folder's ids are read as GPT-2's own, so its "
                          "text would decode wrong. Export a model trained on a dataset prepared with the full GPT-2 "

@@ -3,7 +3,7 @@ Plot training runs from their log.jsonl: loss, the scale of the pre-logit state 
 RMS and the radial share of the gradient, against the step, with the gate g and the calibrate
 step marked. Or, with --ladder, the budget ladder of the study's part 3 (study.py's ladder
 matrices): each variant's paired gap to the baseline against the tokens seen. Needs matplotlib
-(pip install matplotlib), imported only here.
+(pip install matplotlib), imported only by this script (--fit needs none).
 
     python plot.py --runs=study/baseline-end-s1,study/internal-end-s1,study/all-end-s1 --out=docs/plots/main.png
     python plot.py --ladder=study/results.json --out=docs/plots/budget_ladder.png

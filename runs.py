@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from types import SimpleNamespace
 
 import numpy as np
@@ -36,7 +36,7 @@ except ImportError:
     fcntl = None
 
 from configurator import ConfigError, parse_args, resolve_device, set_tf32
-from data.common import disk_full
+from data.common import compact_vocabulary, disk_full
 from model import ABSENT_MEANS, GPT, GPTConfig, implied_phase
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -71,8 +71,8 @@ def resume_config(argv, out_dir, defaults, choices, validate, free):
     diff = [f"{k}={cfg[k]!r} ({was(k)})" for k in cfg if k not in free and cfg[k] != stored[k]]
     if diff:
         raise SystemExit(f"--init_from=resume: {', '.join(diff)} would change the run in {out_dir}; "
-                         f"leave them out to continue it as it was (python train.py --init_from=resume "
-                         f"--out_dir={out_dir}), or start a new run in another --out_dir")
+                         f"leave them out to continue it as it was ({resume_command(out_dir, ckpt.get('world', 1))}), "
+                         "or start a new run in another --out_dir")
     return SimpleNamespace(**cfg), ckpt
 
 
@@ -119,7 +119,7 @@ def find_dataset(cfg, may_prepare, cpu_hint=''):
             raise SystemExit(f"{os.path.join(folder, name)} not found. {guess}{prepare}:\n"
                              f"    {prepare_command(cfg.dataset)}")
     meta = check_dataset(folder, cfg.block_size, prepare_command(cfg.dataset))
-    if cfg.init_from not in ('scratch', 'resume') and meta.get('unk_id') is not None:
+    if cfg.init_from not in ('scratch', 'resume') and compact_vocabulary(meta):
         raise SystemExit(f"init_from={cfg.init_from} reads GPT-2's own token ids, but {folder} holds a compact "
                          f"vocabulary of {meta['vocab_size']} ids: prepare it with the full GPT-2 vocabulary "
                          "(--vocab_size=0; data/openwebtext and data/pile always use it)")
@@ -235,7 +235,8 @@ def read_dataset(folder):
     began, open until it ends. prepare.py writes a new file and renames it over the old one
     (data.common), and an open file keeps the old one: a dataset prepared again while a run
     trains changes nothing the run reads, its last steps and final losses included. Run holds it
-    for the whole run."""
+    for the whole run. OSError (FileNotFoundError) for a split that cannot be opened: find_dataset
+    has checked both before."""
     files = {}
     try:
         for split in ('train', 'val'):
@@ -1050,9 +1051,9 @@ class Run:
         self.first_iter = iter_num
 
     def __enter__(self):
-        self.dataset = read_dataset(self.folder)  # the files the run began on, to its end
-        self.dataset.__enter__()
-        self.signals.__enter__()
+        self.held = ExitStack()  # left in __exit__, whatever fails first
+        self.held.enter_context(read_dataset(self.folder))  # the files the run began on, to its end
+        self.held.enter_context(self.signals)
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -1066,9 +1067,8 @@ class Run:
             if exc_type is None or issubclass(exc_type, Stopped):
                 end_processes(self.env)
         finally:
-            self.signals.__exit__(exc_type, exc, tb)
+            self.held.__exit__(exc_type, exc, tb)
             self.signals.doing = None  # the bound method's cycle would keep the lock after the run returns
-            self.dataset.__exit__(None, None, None)
         if exc is None or isinstance(exc, SystemExit):
             return
         saved = (f"{self.ckpt_path} (the last checkpoint) is whole" if os.path.exists(self.ckpt_path)

@@ -662,7 +662,7 @@ def run_held_cell(name, args, out_dir, results, threads, isa, lock, stop):
     # a finished cell's summary is rebuilt from its log, so a new summary field reaches old cells
     old = results.data['cells'].get(name)
     if old is None or old.get('status') != 'finished':  # finished before results.json knew
-        old = dict(status=status, args=args, config=acting_config(args), **provenance({'wall_s': None}, threads, args))
+        old = dict(status=status, args=args, **provenance({'wall_s': None}, threads, args))  # no config: unknown
     new = {**old, **summarize(records)}
     if new != old:
         results.put(name, new)
@@ -685,24 +685,30 @@ def data_of(args):
 
 def acting_config(args):
     """What a cell's record keeps of its configuration, and an edited matrix is checked against
-    (check_unchanged): cell_config's keys that act in the run (train.ACTS_WHEN), less out_dir."""
+    (check_unchanged): cell_config's keys that act in the run (train.idle_keys), less those a resume
+    may change because no result depends on them (train.RESUME_FREE: out_dir, device, ...)."""
     import train
     cfg = cell_config(args)
-    idle = {k for k, acts in train.ACTS_WHEN.items() if not acts(SimpleNamespace(**cfg))}
-    return {k: v for k, v in cfg.items() if k not in idle and k != 'out_dir'}
+    skip = {*train.idle_keys(SimpleNamespace(**cfg)), *train.RESUME_FREE}
+    return {k: v for k, v in cfg.items() if k not in skip}
 
 
 def check_unchanged(cells, records):
     """SystemExit before any cell runs or table is written, unless each cell whose record keeps its
     configuration (`config`: records from before that key are not checked) would run with it again:
     a matrix edited under a finished cell would otherwise skip the cell and tabulate its old result
-    as the new arguments'. The message names each cell and each key, old value → new."""
+    as the new arguments'. Keys in both are compared: one train.py added or dropped since, or one
+    that starts or stops acting, comes with a change to a key in both (taper, norm_removal, ...).
+    The message names each cell and each key, old value → new."""
     changed = []
     for name, args in cells.items():
         old = records.get(name, {}).get('config')
-        if old is not None and old != (new := acting_config(args)):
-            keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-            changed.append(f"{name} ({', '.join(f'{k}: {old.get(k)!r} → {new.get(k)!r}' for k in keys)})")
+        if old is None:
+            continue
+        new = acting_config(args)
+        keys = [k for k in sorted(set(old) & set(new)) if old[k] != new[k]]
+        if keys:
+            changed.append(f"{name} ({', '.join(f'{k}: {old[k]!r} → {new[k]!r}' for k in keys)})")
     if changed:
         raise SystemExit(f"the matrix changed under {len(changed)} recorded cell(s): {'; '.join(changed)}. Their records "
                          "hold the old configuration's results: give the new cells new names, or restore the matrix "
@@ -1160,6 +1166,7 @@ def step_table(groups, base_name):
 
 
 def marks(block):
+    """The two comments a markdown file holds around a study block: (opening, closing)."""
     return f'<!-- study:{block} -->', f'<!-- /study:{block} -->'
 
 
@@ -1203,7 +1210,11 @@ def main(argv):
         cells = {n: a for n, a in cells.items() if n in cfg.only.split(',')}
     if cfg.device:
         if cfg.run:  # a device this machine lacks: one line here, not a failure in every cell
-            resolve_device(cfg.device, 'float32')
+            try:
+                resolve_device(cfg.device, 'float32')
+            except SystemExit as e:  # its "use --device=cpu" would meet on_device's refusal of study/
+                why = str(e.code).removeprefix('config error: ').split('; use ')[0]
+                raise SystemExit(f"config error: {why}: leave --device out to run the cells on this CPU") from None
         cells = on_device(cells, cfg.device, cfg.study_dir)
     parts = {cfg.matrix: TABLES.get(cfg.matrix, ('losses', 'scales')),
              **{b: p for b, p in TABLES.items() if b.startswith(cfg.matrix + ':')}}

@@ -532,6 +532,11 @@ ACTS_WHEN = {
 }
 
 
+def idle_keys(cfg):
+    """The keys that do not act in the run configured by cfg (a SimpleNamespace): ACTS_WHEN's."""
+    return tuple(k for k, acts in ACTS_WHEN.items() if not acts(cfg))
+
+
 def config_line(argv, cfg):
     """The line under the run's header: every key that acts in this run (ACTS_WHEN) and whose value
     differs from train.py's defaults (configurator.changed_keys; the header's own HEADER_KEYS aside),
@@ -539,8 +544,7 @@ def config_line(argv, cfg):
     train.py config/cpu.py), it first says which base they changed: train.py's defaults, the
     TinyStories baseline."""
     files = config_files(argv)
-    idle = tuple(k for k, acts in ACTS_WHEN.items() if not acts(cfg))
-    changed = changed_keys(vars(cfg), defaults_of(globals()), HEADER_KEYS + idle)
+    changed = changed_keys(vars(cfg), defaults_of(globals()), HEADER_KEYS + idle_keys(cfg))
     base = ''
     if cfg.init_from != 'resume' and files and all(overlay_rank(f) > 0 for f in files):
         base = (f"no base config before {files[0]}: it changes train.py's defaults, the TinyStories baseline's "

@@ -279,8 +279,7 @@ def encode_documents(docs, path, desc="encode", num_proc=NUM_PROC, batch_chars=B
         # small inputs (tests, tiny corpora) are not worth starting processes for
         results, pool = map(_encode_batch, itertools.chain(head, batches)), None
     else:
-        # Ctrl-C reaches every process of the terminal's group: the workers leave it to this one
-        pool = multiprocessing.Pool(num_proc, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
+        pool = encoder_pool(num_proc)
         results = _bounded_imap(pool, _encode_batch, itertools.chain(head, batches), 2 * num_proc)
     doc_ends = []
     try:
@@ -295,6 +294,13 @@ def encode_documents(docs, path, desc="encode", num_proc=NUM_PROC, batch_chars=B
             pool.terminate()
     ends = np.concatenate(doc_ends) if doc_ends else np.zeros(0, dtype=np.int64)
     return Encoded(ends, skipped)
+
+
+def encoder_pool(num_proc):
+    """A multiprocessing.Pool of num_proc processes that ignore SIGINT: Ctrl-C reaches every process
+    of the terminal's group, and the main one alone says what it left (scratch_files) and ends them;
+    each worker printed a KeyboardInterrupt traceback of its own before."""
+    return multiprocessing.Pool(num_proc, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
 
 
 def _bounded_imap(pool, fn, items, window):
@@ -347,6 +353,12 @@ def build_vocab(counts, vocab_size):
     priority[GPT2_EOT] = np.iinfo(np.int64).max
     kept = np.lexsort((ids, -priority))[:vocab_size - 1]  # lexsort: last key is the primary one
     return kept[np.lexsort((kept, -counts[kept]))]
+
+
+def compact_vocabulary(meta):
+    """Whether a prepared dataset's meta.json (dict) is of a compact vocabulary (--vocab_size > 0):
+    its ids are not GPT-2's own, and one of them is <unk> (unk_id; null in the full vocabulary)."""
+    return meta.get("unk_id") is not None
 
 
 def lookup_table(gpt2_ids, unk_id):
@@ -415,8 +427,8 @@ def scratch_files(out_dir, *names):
     except KeyboardInterrupt:
         meta = os.path.join(out_dir, "meta.json")
         left = ("a dataset already there is whole" if os.path.exists(meta) else
-                f"{out_dir} holds no whole dataset (no meta.json): prepare it again" if os.path.exists(out_dir)
-                and any(n.endswith(".bin") for n in os.listdir(out_dir)) else "no dataset was written")
+                f"{out_dir} holds no whole dataset (no meta.json): prepare it again"
+                if any(n.endswith(".bin") for n in os.listdir(out_dir)) else "no dataset was written")
         print(f"stopped by SIGINT preparing the dataset: {left}", file=sys.stderr)
         raise SystemExit(130) from None
     except Exception as e:

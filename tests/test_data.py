@@ -235,31 +235,32 @@ def offline_env(cache):
                 HTTP_PROXY="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9")
 
 
-def test_ctrl_c_while_preparing_is_one_line_and_a_dataset_already_there_stays_whole(enc, tmp_path):
-    """SIGINT to prepare.py's process group (what Ctrl-C sends) while its encoder processes work
-    (an input of more than two batches): exit 130 and one line saying what it left, no traceback
-    (a worker's 'Process ForkPoolWorker-2:' shows only when the signal meets it between tasks, so
-    this may miss the workers' part); the scratch files are gone, and a dataset prepared there
-    before keeps its files byte for byte."""
+@pytest.mark.parametrize("before, says", [
+    ({"train.bin": b"\1\0", "val.bin": b"\1\0", "meta.json": b"{}"}, "a dataset already there is whole"),
+    ({"train.bin": b"\1\0"}, "o holds no whole dataset (no meta.json): prepare it again"),  # pass 2 had begun
+    ({}, "no dataset was written")])
+def test_ctrl_c_while_preparing_is_one_line_saying_what_it_left(tmp_path, monkeypatch, capsys, before, says):
+    """Ctrl-C inside scratch_files (a KeyboardInterrupt): exit 130 and one line saying what the
+    folder holds, not a traceback; the scratch files go, and a folder it made is removed."""
+    monkeypatch.chdir(tmp_path)
+    if before:
+        (tmp_path / "o").mkdir()
+        for name, data in before.items():
+            (tmp_path / "o" / name).write_bytes(data)
+    with pytest.raises(SystemExit) as e, common.scratch_files("o", "train", "val") as tmp:
+        open(tmp["train"], "wb").close()
+        raise KeyboardInterrupt
+    assert e.value.code == 130 and capsys.readouterr().err == f"stopped by SIGINT preparing the dataset: {says}\n"
+    assert sorted(os.listdir("o")) == sorted(before) if before else not os.path.exists("o")
+
+
+def test_the_encoder_workers_leave_ctrl_c_to_the_main_process():
+    """The terminal sends SIGINT to every process of its group; a worker that took it printed a
+    'Process ForkPoolWorker-2:' traceback of its own."""
     import signal
-    import time
-    (tmp_path / "small.txt").write_text(make_corpus())
-    (tmp_path / "big.txt").write_text(make_corpus(n_lines=1200) * 200)  # about 7 MB: > 2 × BATCH_CHARS
-    prepare = [sys.executable, str(REPO / "data" / "text" / "prepare.py"), "--name=x", "--out_dir=o"]
-    subprocess.run([*prepare, "--input=small.txt"], cwd=tmp_path, check=True, capture_output=True, timeout=120)
-    before = {n: (tmp_path / "o" / n).read_bytes() for n in ("train.bin", "val.bin", "meta.json")}
-    proc = subprocess.Popen([*prepare, "--input=big.txt"], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    scratch, t0 = tmp_path / "o" / "train.gpt2.tmp", time.time()
-    while not (scratch.exists() and scratch.stat().st_size > 0) and time.time() - t0 < 120:
-        time.sleep(0.05)  # pass 1: the workers are encoding
-    os.killpg(proc.pid, signal.SIGINT)
-    err = proc.communicate(timeout=120)[1]
-    said = [line for line in err.replace("\r", "\n").splitlines() if line and not line.startswith(("train:", "val:"))]
-    assert proc.returncode == 130 and said == ["stopped by SIGINT preparing the dataset: a dataset already there "
-                                               "is whole"], err  # tqdm's bars aside; not 'Process ForkPoolWorker-2:'
-    assert sorted(os.listdir(tmp_path / "o")) == sorted(before)
-    assert all((tmp_path / "o" / n).read_bytes() == b for n, b in before.items())
+    with common.encoder_pool(2) as pool:
+        assert pool.map(signal.getsignal, [signal.SIGINT] * 2) == [signal.SIG_IGN] * 2
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # this process keeps its own
 
 
 def test_offline_without_tiktokens_files_a_script_says_so_in_one_line_and_the_tests_needing_them_skip(tmp_path):

@@ -25,7 +25,8 @@ ITERS = 8
 def make_run(tmp_path, ddp=False, iter_num=0):
     """A Run over 8 iterations, evaluations at 0 and 4, in tmp_path/run (val split: 2 windows),
     starting at iter_num."""
-    (tmp_path / 'val.bin').write_bytes(b'\0\0' * 33)
+    for split in ('train', 'val'):  # a run holds both open (runs.read_dataset)
+        (tmp_path / f'{split}.bin').write_bytes(b'\0\0' * 33)
     cfg = SimpleNamespace(out_dir=str(tmp_path / 'run'), init_from='scratch', overwrite=False, max_iters=ITERS,
                           eval_interval=4, eval_iters=2, batch_size=2, block_size=16, gradient_accumulation_steps=1,
                           taper='all', gate_warmup_iters=2, calib_batches=1, calibration='ema', norm_removal='none')

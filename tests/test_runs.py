@@ -957,8 +957,9 @@ def test_schedule_scale_scales_every_step_count_once_and_a_resume_keeps_them(toy
     # (fakeln_interval, which toy_args leaves to its default 30, stored as 15, would become 8)
     assert stored['fakeln_interval'] == 15
     train.main(toy_args(toy_data, out, schedule_scale=0.5) + ['--init_from=resume'])
-    with pytest.raises(SystemExit, match=r' max_iters=4 \(stored: 8\).* would change the run'):
+    with pytest.raises(SystemExit, match=r' max_iters=4 \(stored: 8\).* would change the run') as e:
         train.main(toy_args(toy_data, out, schedule_scale=0.25) + ['--init_from=resume'])
+    assert f'continue it as it was ({runs.resume_command(str(out), 1)})' in str(e.value)  # the one command, quoted
 
 
 def test_a_checkpoint_from_before_each_model_key_loads_samples_and_resumes_as_it_ran(tmp_path, monkeypatch):

@@ -34,7 +34,8 @@ def toy_data_dir(cells):
 
 def test_a_matrix_edited_under_a_finished_cell_is_refused_naming_the_keys(tiny_matrix, tmp_path, monkeypatch):
     """A finished cell whose matrix entry changes (transformers#18070's case, for a study): its record
-    keeps the configuration that acts (not out_dir, not a key this run does not use), so the next
+    keeps the configuration that acts (not a key this run does not use, nor one a resume may change,
+    as out_dir or eval_interval), so the next
     study.py, running or only tabulating, refuses before any cell runs and names each key, old → new,
     instead of skipping the cell and tabulating its old result as the new arguments'. A change to a
     key that does not act, and a record from before the key, pass."""
@@ -42,15 +43,16 @@ def test_a_matrix_edited_under_a_finished_cell_is_refused_naming_the_keys(tiny_m
     data = study.main(['--matrix=tiny', f'--study_dir={out}', f'--only={cell}'])
     config = data['cells'][cell]['config']
     assert (config['taper_iters'], config['n_embd'], config['calibration']) == (4, 16, 'end')
-    assert 'out_dir' not in config and 'fakeln_interval' not in config  # no FakeLN here: it does not act
+    assert 'fakeln_interval' not in config  # no FakeLN here: it does not act
+    assert not {'out_dir', 'device', 'eval_interval'} & set(config)  # train.RESUME_FREE: no result depends on them
     edit = lambda extra: {n: a + (extra if n == cell else []) for n, a in tiny_matrix.items()}
     monkeypatch.setitem(study.MATRICES, 'tiny', edit(['--taper_iters=6', '--fakeln_interval=7']))
     for run in ('True', 'False'):
         with pytest.raises(SystemExit, match=rf"^the matrix changed under 1 recorded cell\(s\): {cell} "
                                              r"\(taper_iters: 4 → 6\)\. Their records hold the old"):
             study.main(['--matrix=tiny', f'--study_dir={out}', f'--run={run}', f'--only={cell}'])
-    monkeypatch.setitem(study.MATRICES, 'tiny', edit(['--fakeln_interval=7']))
-    study.main(['--matrix=tiny', f'--study_dir={out}', f'--only={cell}'])  # an idle key: the same run
+    monkeypatch.setitem(study.MATRICES, 'tiny', edit(['--fakeln_interval=7', '--eval_interval=3']))
+    study.main(['--matrix=tiny', f'--study_dir={out}', f'--only={cell}'])  # the same run
     results = json.loads((out / 'results.json').read_text())
     del results['cells'][cell]['config']
     (out / 'results.json').write_text(json.dumps(results))
@@ -582,7 +584,8 @@ def test_study_on_a_gpu_moves_every_cell_there_in_float32_into_its_own_folder():
 @pytest.mark.skipif(torch.cuda.is_available(), reason='a machine without CUDA')
 def test_study_on_a_gpu_the_machine_lacks_is_one_line_before_any_cell(tmp_path):
     """--device=cuda without a GPU: every cell started and failed on its own ('2 cell(s) failed')."""
-    with pytest.raises(SystemExit, match=r"^config error: device='cuda': this machine has no CUDA device"):
+    with pytest.raises(SystemExit, match=r"^config error: device='cuda': this machine has no CUDA device: leave "
+                                         r"--device out to run the cells on this CPU$"):
         study.main(['--matrix=tiny', '--device=cuda', f'--study_dir={tmp_path / "study_cuda"}'])
     assert not (tmp_path / 'study_cuda').exists()
 
