@@ -1051,9 +1051,10 @@ class Run:
         self.first_iter = iter_num
 
     def __enter__(self):
-        self.held = ExitStack()  # left in __exit__, whatever fails first
-        self.held.enter_context(read_dataset(self.folder))  # the files the run began on, to its end
-        self.held.enter_context(self.signals)
+        with ExitStack() as held:  # a failure while entering leaves nothing held
+            held.enter_context(read_dataset(self.folder))  # the files the run began on, to its end
+            held.enter_context(self.signals)
+            self.held = held.pop_all()  # left in __exit__
         return self
 
     def __exit__(self, exc_type, exc, tb):

@@ -651,8 +651,8 @@ def run_held_cell(name, args, out_dir, results, threads, isa, lock, stop):
                       flush=True)
                 return 'failed'
             it = int(tail.rsplit(f'{runs.DIVERGED} at iteration ', 1)[1].split()[0])
-            results.put(name, dict(status='diverged', diverged_at=it, args=args, config=acting_config(args), data=data_of(args),
-                                   **provenance(wall, threads, args, isa)))
+            results.put(name, dict(status='diverged', diverged_at=it, args=args, config=acting_config(args),
+                                   data=data_of(args), **provenance(wall, threads, args, isa)))
             print(f"{name}: diverged at iteration {it}", flush=True)
             return 'diverged'
         records, status = read_log(out_dir), 'finished'

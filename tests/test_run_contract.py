@@ -35,6 +35,22 @@ def make_run(tmp_path, ddp=False, iter_num=0):
     return runs.Run(cfg, env, str(tmp_path), iter_num, lambda: {'model': {}, 'marker': 'state'})
 
 
+def test_a_run_that_fails_to_start_or_ends_holds_no_dataset_file(tmp_path, monkeypatch):
+    """Run holds train.bin and val.bin open while it lasts (runs.read_dataset); after it, or when
+    installing its signal handlers fails, nothing is left open for runs.tokens to map."""
+    with make_run(tmp_path):
+        assert set(runs._OPEN_SPLITS) == {str(tmp_path / 'train.bin'), str(tmp_path / 'val.bin')}
+    assert runs._OPEN_SPLITS == {}
+
+    def fails(self):
+        raise ValueError('signal only works in main thread')
+    monkeypatch.setattr(runs.StopSignal, '__enter__', fails)
+    (tmp_path / 'again').mkdir()
+    with pytest.raises(ValueError), make_run(tmp_path / 'again'):
+        pass
+    assert runs._OPEN_SPLITS == {}
+
+
 @pytest.fixture(autouse=True)
 def collectives(monkeypatch):
     """The collectives Run makes, recorded by name, with no process group. all_reduce adds
