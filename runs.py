@@ -570,6 +570,35 @@ def check_writable(folder, arg):
         raise SystemExit(f"cannot write in {folder} ({e.strerror}): choose another {arg}") from None
 
 
+# Filesystems that keep no flock locks: Lustre mounted without -o flock (ENOSYS), NFS without its
+# lock daemon (ENOLCK), some FUSE mounts (EOPNOTSUPP). A run there goes on unlocked, and says so.
+NO_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
+_unlocked = set()  # the folders already warned about
+
+
+def take_lock(f, wait=False):
+    """Take an exclusive flock on the open file f, held until f is closed (or its process ends).
+    Returns False when another process holds it (wait=False; wait=True blocks until it is free),
+    else True. Where nothing can be locked (no fcntl: Windows; a filesystem in NO_LOCKS) it returns
+    True, having warned once per folder on stderr that nothing keeps a second process out of it.
+    Other OSErrors propagate."""
+    if fcntl is None:
+        return True
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno not in NO_LOCKS:
+            raise
+        folder = os.path.dirname(os.path.abspath(f.name))
+        if folder not in _unlocked:
+            _unlocked.add(folder)
+            print(f"warning: {folder} is on a filesystem that cannot lock files ({e.strerror}): nothing "
+                  "keeps two processes from writing there at the same time", file=sys.stderr, flush=True)
+    return True
+
+
 def claim_out_dir(cfg, iter_num):
     """Make out_dir this process's run before anything is written to it. Returns the open lock
     file (keep it open: the lock lasts as long as this process, so a run killed with kill -9
@@ -579,12 +608,9 @@ def claim_out_dir(cfg, iter_num):
     the records before iter_num, so it reads as one uninterrupted run."""
     check_writable(cfg.out_dir, '--out_dir')
     lock = open(os.path.join(cfg.out_dir, '.lock'), 'a')
-    if fcntl is not None:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise SystemExit(f"{cfg.out_dir} is in use by another train.py run; wait for it to end "
-                             "or choose another --out_dir") from None
+    if not take_lock(lock):
+        raise SystemExit(f"{cfg.out_dir} is in use by another train.py run; wait for it to end "
+                         "or choose another --out_dir")
     for name in TEMP_FILES:  # left by a process killed while writing; the folder is this run's now
         if os.path.exists(os.path.join(cfg.out_dir, name)):
             os.remove(os.path.join(cfg.out_dir, name))
@@ -786,10 +812,11 @@ class StopSignal:
 
 
 def out_of_memory(e):
-    """Whether exception e is an allocator's refusal: CUDA's torch.OutOfMemoryError, or the plain
+    """Whether exception e is an allocator's refusal: CUDA's OutOfMemoryError, or the plain
     RuntimeError of the CPU allocator ("can't allocate memory") and of backends that say "out of
     memory" (MPS; inductor's wrappers keep the message)."""
-    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (  # MemoryError: numpy's (a batch's array)
+    # torch.cuda.OutOfMemoryError: torch 2.4 has only this name; from 2.5 it is torch.OutOfMemoryError itself
+    return isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)) or (  # MemoryError: numpy's (a batch's array)
         isinstance(e, RuntimeError) and ('out of memory' in str(e) or 'allocate memory' in str(e)))
 
 

@@ -460,7 +460,7 @@ class Results:
 
     def put(self, name, record):
         with self.lock, open(self.path + '.lock', 'w') as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            runs.take_lock(lock, wait=True)
             self.data = self.read()
             self.data['cells'][name] = record
             atomic_write_json(self.data, self.path)
@@ -596,9 +596,7 @@ def run_cell(name, args, out_dir, results, threads, isa='', stop=None):
     the cell alone (its train.out, its wall-time account)."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, CELL_LOCK), 'a') as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not runs.take_lock(lock):
             print(f"{name}: skipped, it runs elsewhere (another study.py holds {lock.name})", flush=True)
             return 'elsewhere'
         return run_held_cell(name, args, out_dir, results, threads, isa, lock, stop or Stop())

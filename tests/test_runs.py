@@ -61,6 +61,28 @@ def test_a_second_process_cannot_write_into_a_run_in_progress(toy_data, tmp_path
     assert not (out / 'log.jsonl').exists()
 
 
+def test_a_filesystem_that_cannot_lock_warns_once_and_the_run_goes_on(toy_data, tmp_path, monkeypatch, capfd):
+    """Lustre mounted without -o flock (ENOSYS), NFS without its lock daemon (ENOLCK): flock's OSError
+    ended every train.py before step 0 (tox-dev/filelock#67). Now one warning, then the run; any
+    other OSError from flock still propagates."""
+    def flock(f, op, errno_=errno.ENOLCK):
+        raise OSError(errno_, os.strerror(errno_))
+
+    monkeypatch.setattr(fcntl, 'flock', flock)
+    monkeypatch.setattr(runs, '_unlocked', set())
+    out = tmp_path / 'run'
+    train.main(toy_args(toy_data, out))
+    assert [r['iter'] for r in read_log(out) if 'final_val_loss' in r] == [16]
+    warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith('warning:')]
+    assert warnings == [f'warning: {out} is on a filesystem that cannot lock files (No locks available): '
+                        'nothing keeps two processes from writing there at the same time']
+    with open(out / '.lock', 'a') as f:
+        assert runs.take_lock(f) is True and 'warning' not in capfd.readouterr().err  # once per folder
+        monkeypatch.setattr(fcntl, 'flock', lambda f, op: flock(f, op, errno.EBADF))
+        with pytest.raises(OSError, match='Bad file descriptor'):
+            runs.take_lock(f)
+
+
 def run_train(args, **kw):
     env = dict(os.environ, OMP_NUM_THREADS='1')
     return subprocess.Popen([sys.executable, os.path.join(ROOT, 'train.py'), *args], cwd=ROOT, env=env,

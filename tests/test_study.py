@@ -1,5 +1,6 @@
 """study.py: a resumable matrix of train.py runs, its results file and tables."""
 
+import errno
 import hashlib
 import json
 import math
@@ -203,6 +204,20 @@ def test_two_drivers_sharing_a_results_file_keep_each_others_cells(tmp_path):
     first.put('c-s1', {'status': 'finished'})
     assert json.load(open(path))['cells'] == {'a-s1': {'status': 'finished'}, 'b-s1': {'status': 'diverged'},
                                               'c-s1': {'status': 'finished'}}
+
+
+def test_a_results_file_on_a_filesystem_without_locks_is_still_written(tmp_path, monkeypatch, capfd):
+    """NFS without its lock daemon: Results.put's flock raised ENOLCK after the first cell had trained."""
+    def flock(f, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(study.fcntl, 'flock', flock)
+    monkeypatch.setattr(study.runs, '_unlocked', set())
+    results = study.Results(str(tmp_path / 'results.json'))
+    results.put('a-s1', {'status': 'finished'})
+    results.put('b-s1', {'status': 'finished'})
+    assert list(json.load(open(tmp_path / 'results.json'))['cells']) == ['a-s1', 'b-s1']
+    assert capfd.readouterr().err.count('cannot lock files (No locks available)') == 1
 
 
 class Ran:

@@ -829,3 +829,11 @@ def test_a_step_that_does_not_fit_in_memory_ends_in_one_line_naming_the_keys(toy
     error = ValueError('something else')
     with pytest.raises(ValueError, match='something else'):
         train.main(toy_args(toy_data, tmp_path / 'other'))
+
+
+def test_the_out_of_memory_check_works_on_torch_2_4(monkeypatch):
+    """torch 2.4 (README's minimum) has torch.cuda.OutOfMemoryError but no torch.OutOfMemoryError (2.5):
+    every error a run ended with became an AttributeError in runs.out_of_memory."""
+    cuda_oom = torch.cuda.OutOfMemoryError('CUDA out of memory.')
+    monkeypatch.delattr(torch, 'OutOfMemoryError')
+    assert runs.out_of_memory(cuda_oom) and not runs.out_of_memory(ValueError('something else'))
