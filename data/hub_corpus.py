@@ -23,6 +23,7 @@ one document); a .zst file must be decompressed first (zstd -d FILE).
 
 import argparse
 import os
+import re
 import time
 
 import numpy as np
@@ -57,12 +58,17 @@ def hub_documents(repo, name, packages=("datasets",)):
         except ImportError:
             raise SystemExit(f"streaming {repo} needs the {package} package (pip install {' '.join(packages)}). "
                              f"{offline_help(name)}") from None
-    from datasets import load_dataset
+    import datasets
     if common.hub_offline():  # a stream has no local cache to fall back on; fail now, not after the retries
         raise SystemExit(f"cannot stream {repo}: the Hugging Face hub is out of reach (no answer, or HF_HUB_OFFLINE=1). "
                          f"{offline_help(name)}")
+    # datasets 2.16-3.x runs a repo's loading script (Skylion007/openwebtext's) only when told to trust it:
+    # 3.x raises without it, 2.x asks on a terminal (nanoGPT#614). The repo is the one this script names;
+    # datasets 4 runs no script (below) and 2.15 has no such key.
+    version = tuple(map(int, re.match(r"(\d+)\.(\d+)", datasets.__version__).groups()))
+    trust = {"trust_remote_code": True} if (2, 16) <= version < (4, 0) else {}
     try:
-        for row in load_dataset(repo, split="train", streaming=True):
+        for row in datasets.load_dataset(repo, split="train", streaming=True, **trust):
             yield row["text"] or ""
     except Exception as e:  # offline, DNS, HF_HUB_OFFLINE=1, a moved dataset: all mean "use local files"
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]

@@ -624,17 +624,22 @@ def test_prepare_local_files_full_vocab_val_first_then_train_cut_at_document_end
     assert not list((tmp_path / 'o').glob('*.tmp'))
 
 
-def fake_datasets(monkeypatch, rows, calls):
-    def load_dataset(repo, split=None, streaming=False):
-        calls.append((repo, split, streaming))
+def fake_datasets(monkeypatch, rows, calls, version='4.4.1'):
+    def load_dataset(repo, split=None, streaming=False, **kwargs):
+        calls.append((repo, split, streaming, *kwargs.items()))
         return rows
-    monkeypatch.setitem(sys.modules, 'datasets', types.SimpleNamespace(load_dataset=load_dataset))
+    monkeypatch.setitem(sys.modules, 'datasets', types.SimpleNamespace(load_dataset=load_dataset, __version__=version))
     monkeypatch.setitem(sys.modules, 'zstandard', types.ModuleType('zstandard'))  # the Pile's, installed
     monkeypatch.setattr(owt.hub_corpus.common, 'hub_offline', lambda: False)  # the hub answers
 
 
 @pytest.mark.parametrize('script, repo', [(owt, 'Skylion007/openwebtext'), (pile, 'monology/pile-uncopyrighted')])
-def test_prepare_streams_from_the_hub_and_stops_reading_at_max_tokens(tmp_path, monkeypatch, script, repo):
+@pytest.mark.parametrize('version, trusted', [('4.4.1', ()), ('3.6.0', (('trust_remote_code', True),)),
+                                              ('2.16.0', (('trust_remote_code', True),)), ('2.15.0', ())])
+def test_prepare_streams_from_the_hub_and_stops_reading_at_max_tokens(tmp_path, monkeypatch, script, repo, version,
+                                                                      trusted):
+    """datasets 2.16-3.x streams a repo that loads by script (openwebtext's) only with trust_remote_code=True:
+    3.x raised without it, after the message for datasets >= 4 had said to install 'datasets<4'."""
     docs = documents(400, seed=1)
     pulled = []
 
@@ -644,10 +649,10 @@ def test_prepare_streams_from_the_hub_and_stops_reading_at_max_tokens(tmp_path, 
             yield {'text': docs[i % len(docs)], 'meta': {}}
 
     calls = []
-    fake_datasets(monkeypatch, endless(), calls)
+    fake_datasets(monkeypatch, endless(), calls, version)
     monkeypatch.setattr(script.hub_corpus, 'BATCH_CHARS', 2000)  # a few documents per encoding task
     meta = script.main(['--val_tokens=200', '--max_tokens=2000', f'--out_dir={tmp_path}'])
-    assert calls == [(repo, 'train', True)]
+    assert calls == [(repo, 'train', True, *trusted)]
     assert meta['sources'] == [f'https://huggingface.co/datasets/{repo}']
     val, train_ids = expected_split(docs, 200, 2000)
     assert np.array_equal(read_split(tmp_path, 'val'), val)
