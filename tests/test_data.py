@@ -9,6 +9,7 @@ import json
 import io
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import types
@@ -843,6 +844,18 @@ def test_text_download_offline_says_how_to_pass_local_files(tmp_path, monkeypatc
     assert msg.endswith("offline? pass local files: "
                         "python data/text/prepare.py --name=austen --input=PATH/TO/austen.txt")
     assert not (tmp_path / "austen").exists() and not list(tmp_path.glob("downloads/*/*"))
+
+    def no_certificates(*args, **kwargs):  # python.org's macOS Python before Install Certificates.command
+        raise urllib.error.URLError(ssl.SSLCertVerificationError(
+            1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: unable to get local issuer certificate"))
+
+    monkeypatch.setattr(urllib.request, "urlopen", no_certificates)
+    with pytest.raises(SystemExit) as e:  # online: "offline?" sent the user the wrong way
+        text_prepare.main(["--name=austen"])
+    assert "offline?" not in str(e.value) and str(e.value).endswith(
+        "this Python cannot verify the server's certificate. On python.org's macOS Python run its 'Install "
+        "Certificates.command'; elsewhere (a proxy with its own certificate) set SSL_CERT_FILE to your CA bundle; "
+        "or pass local files: python data/text/prepare.py --name=austen --input=PATH/TO/austen.txt")
 
     # --input works as before, with no download
     f = tmp_path / "austen.txt"

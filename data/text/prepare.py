@@ -23,6 +23,7 @@ import argparse
 import itertools
 import os
 import re
+import ssl
 import sys
 import time
 import urllib.parse
@@ -65,6 +66,11 @@ def fetch(url, name):
             return response.read()
     except Exception as e:  # offline, DNS, HTTP errors, timeouts: all mean "use local files"
         reason = " ".join(f"{type(e).__name__}: {e}".split())
+        if isinstance(getattr(e, "reason", e), ssl.SSLCertVerificationError):  # online, without CA certificates
+            raise SystemExit(f"cannot download {url} ({reason}): this Python cannot verify the server's "
+                             "certificate. On python.org's macOS Python run its 'Install Certificates.command'; "
+                             "elsewhere (a proxy with its own certificate) set SSL_CERT_FILE to your CA bundle; "
+                             f"or {offline_help(name)}") from None
         raise SystemExit(f"cannot download {url} ({reason}): offline? {offline_help(name)}") \
             from None
 
