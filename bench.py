@@ -112,7 +112,8 @@ def architecture(cfg):
         GPTConfig(**arch)  # sizes >= 1, n_embd divisible by n_head
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if cfg['mode'] == 'decode' and cfg['prompt_len'] + cfg['new_tokens'] > cfg['block_size']:
+    # --ckpt: the checkpoint's context bounds them (checkpoint_variants), not --block_size
+    if cfg['mode'] == 'decode' and not cfg['ckpt'] and cfg['prompt_len'] + cfg['new_tokens'] > cfg['block_size']:
         raise ConfigError(f"prompt_len + new_tokens = {cfg['prompt_len'] + cfg['new_tokens']} exceeds "
                           f"block_size {cfg['block_size']}: lower --prompt_len or --new_tokens")
     return arch

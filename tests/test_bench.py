@@ -310,16 +310,18 @@ def test_a_greedy_token_may_flip_only_at_a_near_tie():
 
 
 def test_a_raw_linear_phase_checkpoint_is_gated_against_its_tapernorm_form(tmp_path, capsys):
-    model = bench.linear_phase_model(dict(n_layer=2, n_embd=32, n_head=2, vocab_size=100, block_size=32),
+    """...and its context is the checkpoint's (96 here), not --block_size's (TINY's 64): 40 + 40 positions
+    were refused as exceeding block_size 64."""
+    model = bench.linear_phase_model(dict(n_layer=2, n_embd=32, n_head=2, vocab_size=100, block_size=96),
                                      'all', 0)
     path = tmp_path / 'raw.pt'
     save_checkpoint({'model': model.state_dict(), 'model_args': vars(model.config)}, str(path))
-    bench.main(TINY + [f'--ckpt={path}'])
+    bench.main(TINY + [f'--ckpt={path}', '--prompt_len=40', '--new_tokens=40'])
     out = capsys.readouterr().out
     assert 'phase=linear g=0 (timed unfused)' in out
     assert 'ckpt:raw.pt as trained vs ckpt:raw.pt unfused: max|Δ logit|' in out
-    with pytest.raises(SystemExit, match="context is 32 tokens: lower --prompt_len"):
-        bench.main(TINY + [f'--ckpt={path}', '--prompt_len=20', '--new_tokens=20'])
+    with pytest.raises(SystemExit, match="context is 96 tokens: lower --prompt_len"):
+        bench.main(TINY + [f'--ckpt={path}', '--prompt_len=50', '--new_tokens=50'])
 
 
 # ---- --mode=train (bench_train.py) -----------------------------------------------------------
