@@ -22,7 +22,7 @@ import torch
 from configurator import ConfigError, configure, run_command
 from data.common import compact_vocabulary
 from fold import CheckError, max_logit_error
-from gpt2 import PretrainedError, export_gpt2, from_pretrained
+from gpt2 import GPT2_MODELS, PretrainedError, export_gpt2, from_pretrained
 from runs import load_model
 
 # -----------------------------------------------------------------------------
@@ -33,9 +33,14 @@ seed = 1337         # the random tokens of the logit check
 
 
 def validate(cfg):
-    """configure()'s check: --ckpt and --out given; --out absent or an empty folder."""
+    """configure()'s check: --ckpt and --out given; --out absent or an empty folder, and not a bare
+    GPT-2 name, which from_pretrained and --init_from read as OpenAI's weights on the hub."""
     if not cfg['ckpt'] or not cfg['out']:
         raise ConfigError("usage: python export_gpt2.py --ckpt=OUT_DIR/ckpt.pt --out=FOLDER")
+    if cfg['out'] in GPT2_MODELS:
+        raise ConfigError(f"--out={cfg['out']} is the name of OpenAI's GPT-2 on the hub, which train.py --init_from="
+                          f"{cfg['out']} and from_pretrained('{cfg['out']}') would read instead of this folder: "
+                          f"choose another name, or --out=./{cfg['out']}")
     if os.path.exists(cfg['out']) and (not os.path.isdir(cfg['out']) or os.listdir(cfg['out'])):
         raise ConfigError(f"--out={cfg['out']} exists and is not an empty folder; choose another")
 

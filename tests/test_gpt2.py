@@ -311,6 +311,16 @@ def test_export_script_checks_its_work_and_refuses_in_one_line(tmp_path, capsys)
     assert not (tmp_path / 'hf3').exists()
 
 
+def test_export_refuses_a_bare_gpt2_name_as_its_folder(tmp_path, monkeypatch):
+    """--out=gpt2 wrote ./gpt2, then checked it by loading 'gpt2': OpenAI's weights from the hub, which
+    failed the logit check and removed the folder as 'a bug' (transformers#13836)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match=r"^config error: --out=gpt2-medium is the name of OpenAI's GPT-2 on the hub, .* choose "
+                                         r"another name, or --out=\./gpt2-medium$"):
+        export_gpt2.main(['--ckpt=a.pt', '--out=gpt2-medium'])
+    assert not (tmp_path / 'gpt2-medium').exists()
+
+
 def test_export_script_help_lists_every_key(capsys):
     with pytest.raises(SystemExit):
         export_gpt2.main(['-h'])
