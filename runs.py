@@ -631,6 +631,29 @@ def claim_out_dir(cfg, iter_num):
     return lock
 
 
+def claim_on_every_rank(cfg, env, iter_num):
+    """Rank 0's claim_out_dir (the lock file; None on other ranks), agreed on by every rank: under DDP
+    an all-reduce, so that when rank 0 refuses the folder every rank stops here, the others
+    silently (exit 1), where they went on into DDP's first collective and failed there in a
+    traceback."""
+    refusal, lock = None, None
+    if env.master:
+        try:
+            lock = claim_out_dir(cfg, iter_num)
+        except SystemExit as e:
+            refusal = e
+    if env.ddp:
+        flag = torch.tensor([float(refusal is not None)], device=env.dev)
+        torch.distributed.all_reduce(flag)
+        if flag.item():
+            end_processes(env)  # together: a rank that leaves its group alone aborts now and then
+            if refusal is None:
+                raise SystemExit(1)  # rank 0 says why
+    if refusal is not None:
+        raise refusal
+    return lock
+
+
 def resume_command(out_dir, world):
     """The command that resumes the run in out_dir, launched as it was: python for one process,
     torchrun for `world` processes (a run resumes on the number it was trained on); quoted for a
@@ -1070,7 +1093,7 @@ class Run:
 
     def __init__(self, cfg, env, folder, iter_num, state, hint=''):
         self.cfg, self.env, self.state, self.iter_num = cfg, env, state, iter_num
-        self.lock = claim_out_dir(cfg, iter_num) if env.master else None  # held until the process ends
+        self.lock = claim_on_every_rank(cfg, env, iter_num)  # held until the process ends
         self.ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
         self.progress, self.folder = Progress(cfg, env, folder, hint), folder
         self.signals = StopSignal(talk=env.master, doing=self.doing)
