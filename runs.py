@@ -572,15 +572,15 @@ def check_writable(folder, arg):
 
 # Filesystems that keep no flock locks: Lustre mounted without -o flock (ENOSYS), NFS without its
 # lock daemon (ENOLCK), some FUSE mounts (EOPNOTSUPP). A run there goes on unlocked, and says so.
-NO_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
-_unlocked = set()  # the folders already warned about
+NO_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP)  # the last two differ on macOS
+_unlocked = set()  # the filesystems (st_dev) already warned about
 
 
 def take_lock(f, wait=False):
     """Take an exclusive flock on the open file f, held until f is closed (or its process ends).
     Returns False when another process holds it (wait=False; wait=True blocks until it is free),
     else True. Where nothing can be locked (no fcntl: Windows; a filesystem in NO_LOCKS) it returns
-    True, having warned once per folder on stderr that nothing keeps a second process out of it.
+    True, having warned on stderr, once per filesystem, that nothing keeps a second process out of f's folder.
     Other OSErrors propagate."""
     if fcntl is None:
         return True
@@ -592,8 +592,8 @@ def take_lock(f, wait=False):
         if e.errno not in NO_LOCKS:
             raise
         folder = os.path.dirname(os.path.abspath(f.name))
-        if folder not in _unlocked:
-            _unlocked.add(folder)
+        if os.stat(folder).st_dev not in _unlocked:  # a study's cells: one warning, not one per cell
+            _unlocked.add(os.stat(folder).st_dev)
             print(f"warning: {folder} is on a filesystem that cannot lock files ({e.strerror}): nothing "
                   "keeps two processes from writing there at the same time", file=sys.stderr, flush=True)
     return True
@@ -640,7 +640,7 @@ def claim_on_every_rank(cfg, env, iter_num):
     if env.master:
         try:
             lock = claim_out_dir(cfg, iter_num)
-        except SystemExit as e:
+        except BaseException as e:  # an OSError too: the other ranks wait in the all-reduce below
             refusal = e
     if env.ddp:
         flag = torch.tensor([float(refusal is not None)], device=env.dev)

@@ -62,8 +62,8 @@ def hub_documents(repo, name, packages=("datasets",)):
     if common.hub_offline():  # a stream has no local cache to fall back on; fail now, not after the retries
         raise SystemExit(f"cannot stream {repo}: the Hugging Face hub is out of reach (no answer, or HF_HUB_OFFLINE=1). "
                          f"{offline_help(name)}")
-    # datasets 2.16-3.x runs a repo's loading script (Skylion007/openwebtext's) only when told to trust it:
-    # 3.x raises without it, 2.x asks on a terminal (nanoGPT#614). The repo is the one this script names;
+    # datasets 2.16-3.x runs a repo's loading script (Skylion007/openwebtext's) only when told to trust it where
+    # its default is not to (3.x raises without it; nanoGPT#614). The repo is the one this script names;
     # datasets 4 runs no script (below) and 2.15 has no such key.
     version = tuple(map(int, re.match(r"(\d+)\.(\d+)", datasets.__version__).groups()))
     trust = {"trust_remote_code": True} if (2, 16) <= version < (4, 0) else {}

@@ -198,7 +198,7 @@ def test_bad_settings_name_the_fix(args, message):
 @pytest.mark.parametrize('error', [
     RuntimeError('[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can\'t allocate memory: you '
                  'tried to allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)'),
-    torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 64.00 GiB. GPU 0 has a total capacity of 79.1 GiB'),
+    torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 64.00 GiB. GPU 0 has a total capacity of 79.1 GiB'),
 ])
 def test_a_batch_whose_kv_caches_do_not_fit_names_the_flag_to_lower(monkeypatch, error):
     """The allocator's error (a stand-in: the third model's KV caches) ends bench.py in one line
@@ -224,7 +224,7 @@ def test_a_batch_whose_kv_caches_do_not_fit_names_the_flag_to_lower(monkeypatch,
 
 @pytest.mark.parametrize('error', [
     RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 68719476736 bytes."),
-    torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 64.00 GiB.'),
+    torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 64.00 GiB.'),
 ])
 def test_a_training_step_that_does_not_fit_names_the_flag_to_lower(monkeypatch, error):
     """--mode=train: the allocator's error in a timed step (a stand-in: the fourth row's warm-up step)

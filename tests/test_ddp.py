@@ -72,7 +72,8 @@ def test_two_process_gloo_run_agrees_on_c(toy_data, tmp_path):
     # started again into its folder by mistake: every rank stops before the model is wrapped in DDP, rank 0
     # in one line; rank 1 went on alone into DDP's first collective and failed there in a traceback
     mistake = subprocess.run([*torchrun, train_py, *args], capture_output=True, text=True, timeout=180, env=env)
-    ranks_said = mistake.stderr[:re.search(r'^[EWI]\d{4} ', mistake.stderr, re.M).start()]  # then torchrun's report
+    report = re.search(r'^[EWI]\d{4} ', mistake.stderr, re.M)  # torchrun's own lines, after the ranks'
+    ranks_said = mistake.stderr[:report.start() if report else None]
     assert ranks_said.splitlines() == [f'{out} already holds a run (ckpt.pt, log.jsonl): continue it with --init_from='
                                        'resume, choose another --out_dir, or replace it with --overwrite=True']
     assert mistake.returncode == 1 and 'SIGABRT' not in mistake.stderr  # no rank aborted at its exit

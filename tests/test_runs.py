@@ -83,6 +83,32 @@ def test_a_filesystem_that_cannot_lock_warns_once_and_the_run_goes_on(toy_data, 
             runs.take_lock(f)
 
 
+@pytest.mark.parametrize('error', [SystemExit('DIR is in use by another train.py run'),
+                                   OSError(errno.ENOSPC, 'No space left on device')])
+def test_every_rank_meets_rank_0s_claim_whatever_it_raises(monkeypatch, error):
+    """Rank 0 refusing out_dir (or failing in it: the log's rewrite on a full disk) still meets the
+    all-reduce every other rank waits in, which would otherwise wait until DDP's timeout (30 min); then
+    the group ends on every rank, rank 0 raises its error and the others exit 1 in silence."""
+    reduced, ended = [], []
+
+    def all_reduce(flag):  # the ranks' sum: rank 0's flag is the only one that can be set
+        reduced.append(flag.item())
+        flag.fill_(float(error is not None))
+
+    def claim(cfg, iter_num):
+        raise error
+
+    monkeypatch.setattr(torch.distributed, 'all_reduce', all_reduce)
+    monkeypatch.setattr(runs, 'end_processes', lambda env: ended.append(env.rank))
+    monkeypatch.setattr(runs, 'claim_out_dir', claim)
+    for rank in (0, 1):
+        env = SimpleNamespace(rank=rank, master=rank == 0, ddp=True, dev='cpu')
+        with pytest.raises(type(error) if rank == 0 else SystemExit) as e:
+            runs.claim_on_every_rank(SimpleNamespace(), env, 0)
+        assert e.value is error if rank == 0 else e.value.code == 1
+    assert reduced == [1.0, 0.0] and ended == [0, 1]
+
+
 def run_train(args, **kw):
     env = dict(os.environ, OMP_NUM_THREADS='1')
     return subprocess.Popen([sys.executable, os.path.join(ROOT, 'train.py'), *args], cwd=ROOT, env=env,

@@ -802,7 +802,7 @@ def test_a_compiled_run_compiles_each_version_of_the_forward_once_and_stays_comp
 @pytest.mark.parametrize('error', [
     RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried "
                  "to allocate 128000000000 bytes. Error code 12 (Cannot allocate memory)"),  # --batch_size=100000, tried
-    torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 64.00 GiB.'),
+    torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 64.00 GiB.'),
     MemoryError('Unable to allocate 7.28 TiB for an array with shape (1000000000000, 17)'),  # numpy's, the batch's
 ])
 def test_a_step_that_does_not_fit_in_memory_ends_in_one_line_naming_the_keys(toy_data, tmp_path, monkeypatch, error):
