@@ -423,6 +423,8 @@ def test_every_end_under_ddp_ends_the_processes_together_once(tmp_path, capfd, c
     group goes, once, as the run leaves its context (a rank left with its process group alive
     aborted at exit now and then); one process makes no collective."""
     run = make_run(tmp_path, ddp)
+    assert collectives.calls == (['all_reduce'] if ddp else [])  # the ranks agree on rank 0's claim of out_dir
+    collectives.calls.clear()
     if at is None:
         loop(run, ddp_flag=flag if ddp else None)
     else:
@@ -438,6 +440,7 @@ def test_after_the_last_step_under_ddp_a_signal_on_another_rank_stops_this_one_t
     """Rank 0 received nothing, another rank did: their agreement stops rank 0 before the final
     losses, which it would otherwise enter alone."""
     run = make_run(tmp_path, ddp=True)
+    collectives.calls.clear()  # the claim's agreement (above)
     collectives.others = 1.0
     with pytest.raises(SystemExit) as e:
         with run:
@@ -450,6 +453,7 @@ def test_after_the_last_step_under_ddp_a_signal_on_another_rank_stops_this_one_t
 def test_an_error_under_ddp_propagates_without_a_collective(tmp_path, collectives):
     """A rank that fails alone must not wait in a barrier the others never reach."""
     run = make_run(tmp_path, ddp=True)
+    collectives.calls.clear()  # the claim's agreement, made by every rank as its Run is built
     with pytest.raises(RuntimeError, match='a failing step'):
         with run:
             raise RuntimeError('a failing step')
