@@ -592,8 +592,9 @@ def take_lock(f, wait=False):
         if e.errno not in NO_LOCKS:
             raise
         folder = os.path.dirname(os.path.abspath(f.name))
-        if os.stat(folder).st_dev not in _unlocked:  # a study's cells: one warning, not one per cell
-            _unlocked.add(os.stat(folder).st_dev)
+        device = os.stat(folder).st_dev
+        if device not in _unlocked:  # a study's cells: one warning, not one per cell
+            _unlocked.add(device)
             print(f"warning: {folder} is on a filesystem that cannot lock files ({e.strerror}): nothing "
                   "keeps two processes from writing there at the same time", file=sys.stderr, flush=True)
     return True
