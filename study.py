@@ -287,6 +287,9 @@ FULL_POINTS = (('1M', '18M'), ('3M', '18M'))
 FULL_LRS = {('1M', '18M'): (4e-3, 8e-3, 1.6e-2), ('3M', '18M'): (2e-3, 4e-3, 8e-3)}
 # the 3M baseline's grid ended best at its top (8e-3: 3.6663; 4e-3: 3.6670; 2e-3: 3.7122): one rate up
 FULL_EXTENDED = ladder_cells(('baseline',), '3M', '18M', (1.6e-2,))
+# seeds 2 and 3 at each bracketed best rate of part 6, entered as each grid brackets (the 3M model's
+# grids take no midpoints): the 3M baseline at 8e-3 (3.7122, 3.6670, 3.6663, 3.7441 at 2e-3-1.6e-2)
+FULL_BEST = {('3M', '18M'): {'baseline': 8e-3}}
 
 
 # part 6's loose ends from part 5, at EMA_POINT: seeds 2-3 of the W = 25 % pair (seed 1 tied: 4.1238 'end',
@@ -358,7 +361,7 @@ MATRICES = {
                **best_seeds({p: {'derf': lr} for p, lr in DERF_BEST.items()}),
                **warmup25_cells(),
                **{n: a for p in FULL_POINTS for n, a in full_pass_cells(p).items()}, **FULL_EXTENDED,
-               **LOOSE_ENDS},
+               **LOOSE_ENDS, **best_seeds(FULL_BEST)},
     # a two-cell matrix of a few seconds on the toy data of the tests
     'tiny': {f'{v}-end-s1': ['--dataset=toy', '--device=cpu', '--n_layer=1', '--n_head=1', '--n_embd=16',
                              '--block_size=16', '--batch_size=2', '--gradient_accumulation_steps=1',
