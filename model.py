@@ -308,10 +308,15 @@ class KVCache(nn.Module):
 
 # ---- decoding: the one path of GPT.generate, sample.py and bench.py (as in gpt-fast) ------------
 
+FP32_MAX = torch.finfo(torch.float32).max  # logits / temperature is computed in fp32
+
+
 def check_sampling(temperature, top_k):
-    """Raise ValueError unless 0 <= temperature < inf and top_k is None (every token) or >= 1."""
-    if not 0 <= temperature < math.inf:  # NaN too; at inf every logit / T is 0, and top_k would keep every token
-        raise ValueError(f"temperature={temperature} must be a finite number >= 0 (0: greedy)")
+    """Raise ValueError unless 0 <= temperature <= FP32_MAX and top_k is None (every token) or >= 1."""
+    # NaN fails too; past FP32_MAX the fp32 temperature is inf, every logit / T is 0 and top_k would keep every token
+    if not 0 <= temperature <= FP32_MAX:
+        raise ValueError(f"temperature={temperature} must be a finite number >= 0 (0: greedy) and at most "
+                         f"{FP32_MAX:.4g}, the largest float32")
     if top_k is not None and not top_k >= 1:
         raise ValueError(f"top_k={top_k} must be >= 1, or None to keep every token")
 
@@ -327,9 +332,10 @@ def check_generate(T0, max_new_tokens, limit, temperature, top_k):
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
     if total > limit:
+        fix = (f"ask for at most {limit - T0} new tokens or shorten the prompt" if T0 < limit else
+               f"shorten the prompt to at most {limit - 1} tokens")  # no new token fits after it
         raise ValueError(f"a prompt of {T0} tokens + {max_new_tokens} new tokens = {total} positions "
-                         f"exceeds the model's context of {limit}; ask for at most "
-                         f"{max(limit - T0, 0)} new tokens or shorten the prompt")
+                         f"exceeds the model's context of {limit}; {fix}")
 
 
 def sample_next(logits, temperature=1.0, top_k=None, generator=None):
@@ -348,7 +354,13 @@ def sample_next(logits, temperature=1.0, top_k=None, generator=None):
     overflow = ~torch.isfinite(scaled.amax(dim=-1, keepdim=True))  # (B, 1): softmax gave NaN there
     # one-hot of the argmax by scatter: F.one_hot reads its indices' range back to the host
     greedy = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    return torch.multinomial(torch.where(overflow, greedy, probs), num_samples=1, generator=generator)
+    probs = torch.where(overflow, greedy, probs)
+    # the exponential race, torch.multinomial's own for one sample (and gpt-fast's): with q_i ~ Exp(1),
+    # argmax p_i / q_i is i with probability p_i, and nothing is read back to the host. Here q has a
+    # floor: where exponential_ gives 0 or -0.0 (on MPS, pytorch#192577), 0 / q is NaN, which argmax
+    # would pick, a token outside top_k
+    q = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
+    return (probs / q).argmax(dim=-1, keepdim=True)
 
 
 def prefill(model, idx, input_pos, temperature=0.0, top_k=None, generator=None):

@@ -129,6 +129,10 @@ def test_positions_beyond_the_context_are_refused_with_the_limit():
     model = linear_phase(block_size=64)
     with pytest.raises(ValueError, match='context of 64; ask for at most 54 new tokens'):
         model.generate(torch.zeros(1, 10, dtype=torch.long), 55)
+    for new in (0, 1):  # a prompt longer than the context: no count of new tokens fits, so none is offered
+        with pytest.raises(ValueError, match=f'{65 + new} positions exceeds the model.s context of 64; shorten '
+                                             'the prompt to at most 63 tokens$'):
+            model.generate(torch.zeros(1, 65, dtype=torch.long), new)
     with pytest.raises(ValueError, match='allows 1 to 64'):
         model.setup_caches(1, 65)
     with pytest.raises(RuntimeError, match='setup_caches'):
@@ -268,6 +272,31 @@ def test_sampling_respects_top_k_and_greedy():
     assert set(sample_next(logits, 1.0, top_k=100, generator=g).view(-1).tolist()) <= {0, 1, 2, 3}
 
 
+def test_a_zero_from_the_exponential_noise_never_picks_a_token_outside_top_k(monkeypatch):
+    """pytorch#192577: on MPS, exponential_ now and then gives -0.0 (and 0 is a possible draw anywhere);
+    sampling divides p by it, 0 / -0.0 is NaN, and argmax takes NaN: a token of probability 0, outside
+    top_k, was sampled. Here every draw of the dropped tokens' noise is 0 or -0.0."""
+    real = torch.Tensor.exponential_
+
+    def zero_where_dropped(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self[:, 0], self[:, 3] = -0.0, 0.0
+        return self
+
+    monkeypatch.setattr(torch.Tensor, 'exponential_', zero_where_dropped)
+    logits = torch.tensor([[0.0, 5.0, 4.0, -1.0]]).repeat(500, 1)
+    picks = sample_next(logits, temperature=1.0, top_k=2, generator=torch.Generator().manual_seed(0))
+    assert set(picks.view(-1).tolist()) == {1, 2}
+
+
+def test_the_largest_float32_temperature_still_keeps_top_k():
+    # logits / 3.4e38 are about 1e-38, still apart in fp32 (subnormals included): top_k=1 keeps the argmax
+    logits = torch.tensor([[0.0, 5.0, 4.0, -1.0]]).repeat(100, 1)
+    picks = sample_next(logits, temperature=torch.finfo(torch.float32).max, top_k=1,
+                        generator=torch.Generator().manual_seed(0))
+    assert picks.view(-1).tolist() == [1] * 100
+
+
 @pytest.mark.parametrize('temperature', [1e-40, 1e-45, 1e-300, 5e-324])
 def test_a_vanishing_temperature_is_greedy_not_a_crash(temperature):
     logits = torch.tensor([[0.0, 3.0, 2.9, -1.0], [-5.0, -7.0, -2.0, -3.0], [1e-3, 0.0, -1e-3, 0.0]])
@@ -283,6 +312,8 @@ def test_a_vanishing_temperature_is_greedy_not_a_crash(temperature):
     (dict(temperature=-1.0), 'temperature=-1.0 must be a finite number >= 0'),
     (dict(temperature=float('nan')), 'temperature=nan must be a finite number >= 0'),
     (dict(temperature=float('inf'), top_k=1), 'temperature=inf must be a finite number >= 0'),  # top_k ignored
+    # past the largest float32, logits / temperature is 0 in fp32 and top_k kept every token (a sample, not the argmax)
+    (dict(temperature=1e39, top_k=1), r'temperature=1e\+39 must be .* at most 3.403e\+38, the largest float32'),
     (dict(top_k=0), 'top_k=0 must be >= 1, or None'),
     (dict(top_k=-1), 'top_k=-1 must be >= 1, or None'),
 ])
