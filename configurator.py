@@ -10,7 +10,8 @@ A script declares its keys as module globals between two `# ----` lines, each wi
 
 and calls `cfg = configure(argv, globals())`. The values are, in order: the defaults, each config
 file given (plain Python, executed with the current values as its namespace), then each
---key=value (a Python literal, or else the bare text). Overlays (files that set `_overlay = N`:
+--key=value (a Python literal, or else the bare text); an override given before a file that sets
+its key again is refused (the file would undo it unseen). Overlays (files that set `_overlay = N`:
 config/cpu.py, config/smoke.py) come after the base configs in the order of N; any other order is
 refused. `-h` / `--help` prints the block above.
 Every mistake ends the script with one line that names the key and the fix.
@@ -177,7 +178,9 @@ def check_out_file(out, what, example):
 
 
 def parse_args(args, defaults, choices=None, fill=('out_dir',), origins=None):
-    """defaults → config files → --key=value, in the order given; returns a new dict.
+    """defaults → config files → --key=value, in the order given; returns a new dict. A
+    --key=value before a config file that sets key to another value is refused: the file would
+    undo the override without a word (nanoGPT's configurator lets it).
 
     choices: {key: allowed values} for keys that are choices rather than a type (e.g. compile:
     'auto', True, False). fill: string keys whose {key} placeholders are filled from the final
@@ -189,7 +192,7 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',), origins=None):
     naming the key or argument.
     """
     choices = choices or {}
-    cfg = dict(defaults)
+    cfg, overridden = dict(defaults), {}  # overridden: {key: the --key=value that set it}
     check_overlay_order(args)
     for arg in args:
         if arg.startswith('--'):
@@ -206,6 +209,7 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',), origins=None):
                 except (SyntaxError, ValueError):
                     value = text  # a bare word is a string: --compile=auto
             cfg[key] = check_type(key, value, defaults[key], arg, choices.get(key))
+            overridden[key] = arg
             if origins is not None:
                 origins[key] = arg
         elif '=' in arg and arg.lstrip('-').partition('=')[0].isidentifier() and not os.path.isfile(arg):
@@ -230,7 +234,13 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',), origins=None):
                 if key not in cfg:
                     raise unknown_key(key, cfg, f"config file {arg}")
                 value = check_type(key, home(key, value), defaults[key], arg, choices.get(key))
-                if origins is not None and (type(value) is not type(cfg[key]) or value != cfg[key]):
+                changed = type(value) is not type(cfg[key]) or value != cfg[key]
+                if changed and key in overridden:
+                    fixed = [a for a in args if not a.startswith('--')] + [a for a in args if a.startswith('--')]
+                    raise ConfigError(f"{overridden[key]} comes before {arg}, which sets {key} again and would "
+                                      f"undo it: give the config files first, then the --key=value overrides: "
+                                      f"{' '.join(fixed)}")
+                if origins is not None and changed:
                     origins[key] = arg
                 cfg[key] = value
     for key in fill:

@@ -6,7 +6,7 @@
 # The Pile: add --dataset=pile (after python data/pile/prepare.py).
 # Same model, data, seed and budget as finetune_gpt2_vanilla.py.
 import os
-exec(open(os.path.join(os.path.dirname(__file__), 'finetune_gpt2_vanilla.py')).read())
+exec(open(os.path.join(os.path.dirname(__file__), 'finetune_gpt2_vanilla.py'), encoding='utf-8').read())
 
 taper = 'none'
 aux_weight = 0.0

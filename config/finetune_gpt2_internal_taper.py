@@ -7,7 +7,7 @@
 # Same model, data, seed, budget and schedule as finetune_gpt2_vanilla.py (W = 25, T = 100: the
 # gate reaches 0 at step 125, then 175 steps in the linear phase, the model fold.py folds).
 import os
-exec(open(os.path.join(os.path.dirname(__file__), 'finetune_gpt2_vanilla.py')).read())
+exec(open(os.path.join(os.path.dirname(__file__), 'finetune_gpt2_vanilla.py'), encoding='utf-8').read())
 
 taper = 'internal'
 aux_weight = 0.1

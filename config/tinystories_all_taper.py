@@ -2,7 +2,7 @@
 #   python train.py config/tinystories_all_taper.py
 # Same model, data, seed and budget as tinystories_baseline.py; only taper and aux_weight differ.
 import os
-exec(open(os.path.join(os.path.dirname(__file__), 'tinystories_baseline.py')).read())
+exec(open(os.path.join(os.path.dirname(__file__), 'tinystories_baseline.py'), encoding='utf-8').read())
 
 taper = 'all'
 aux_weight = 0.1

@@ -2,7 +2,7 @@
 #   python train.py config/tinystories_internal_taper.py
 # Same model, data, seed and budget as tinystories_baseline.py; only taper and aux_weight differ.
 import os
-exec(open(os.path.join(os.path.dirname(__file__), 'tinystories_baseline.py')).read())
+exec(open(os.path.join(os.path.dirname(__file__), 'tinystories_baseline.py'), encoding='utf-8').read())
 
 taper = 'internal'
 aux_weight = 0.1

@@ -4,6 +4,7 @@ signals, bad data and bad input that end in one line instead of a traceback."""
 import builtins
 import errno
 import fcntl
+import glob
 import io
 import json
 import os
@@ -887,6 +888,26 @@ def test_misleading_inputs_get_the_message_the_user_needs(args, message):
         train.load_config(args)
 
 
+@pytest.mark.parametrize('given, key', [
+    (['--max_iters=3000', '--calibration=end', 'config/tinystories_all_taper.py', 'config/cpu.py'], 'max_iters'),
+    (['--init_from=resume', '--out_dir=mine', 'config/tinystories_internal_taper.py', 'config/cpu.py',
+      'config/smoke.py'], 'out_dir'),  # the resume then looked for the smoke folder's checkpoint
+])
+def test_an_override_before_a_file_that_sets_its_key_again_is_refused_with_the_order_that_works(given, key):
+    """An override before a config file was silently undone by it (the pattern of simc#182,
+    mini-swe-agent#417): refused, with every argument in the order that keeps it."""
+    with pytest.raises(SystemExit) as e:
+        train.load_config(given)
+    assert str(e.value).startswith(f"config error: --{key}=") and f"which sets {key} again and would undo it" in str(e.value)
+    fixed = str(e.value).rsplit(': ', 1)[1].split()
+    assert sorted(fixed) == sorted(given)
+    cfg = train.load_config(fixed)  # the suggestion runs, and keeps what was typed
+    assert all(str(getattr(cfg, a[2:].split('=')[0])) == a.split('=', 1)[1] for a in given if a.startswith('--'))
+    # an override before a file that leaves its key alone, or sets the value it already has, keeps working
+    assert train.load_config(['--calibration=end', 'config/tinystories_all_taper.py']).calibration == 'end'
+    assert train.load_config(['config/tinystories_all_taper.py', '--dataset=austen', 'config/cpu.py']).dataset == 'austen'
+
+
 def test_a_config_file_named_without_its_folder_is_found_for_the_user(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
@@ -910,6 +931,20 @@ def test_a_config_file_with_an_equals_sign_in_its_name_runs_and_takes_its_overla
         train.load_config([cpu, 'width=32.py'])
     with pytest.raises(SystemExit, match=r'did you mean --n_embd=32\?'):
         train.load_config(['n_embd=32'])  # no such file: the missing dashes
+
+
+def test_every_shipped_config_reads_where_the_locale_is_not_utf8():
+    """nanoGPT#429: a config that includes another with open() read it in the locale's encoding (GBK,
+    cp932 on Windows; ASCII here), and the included files hold λ, ×, ²: README's first command failed."""
+    configs = sorted(p for p in glob.glob(os.path.join(ROOT, 'config', '*.py'))
+                     if not p.endswith('gpt2_proxy.py'))  # an overlay that names a folder study.py makes
+    code = ('import locale, sys, train\nassert locale.getpreferredencoding(False) == "ANSI_X3.4-1968"\n'
+            'for path in sys.argv[1:]:\n    train.load_config([path])\n')
+    env = {**os.environ, 'LC_ALL': 'C', 'PYTHONUTF8': '0', 'PYTHONCOERCECLOCALE': '0'}  # plain ASCII
+    run = subprocess.run([sys.executable, '-c', code, *configs], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    for included in ('tinystories_baseline.py', 'finetune_gpt2_vanilla.py'):  # what the test is about
+        assert not open(os.path.join(ROOT, 'config', included), encoding='utf-8').read().isascii()
 
 
 def test_a_config_file_saved_with_a_byte_order_mark_runs_as_python_runs_it(tmp_path):
