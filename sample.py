@@ -4,6 +4,8 @@ Sample from a trained (or folded) checkpoint with the static KV cache.
     python sample.py --ckpt=out-cpu-austen-internal-aux0.1/ckpt.pt --start="It was"
     python sample.py --ckpt=internal-folded.pt --start=FILE:prompt.txt --num_samples=3 --temperature=0.5
 
+FILE: reads the prompt as UTF-8, less the one line ending an editor puts at the end of a file.
+
 Text goes through the dataset's compact vocabulary (meta.json, stored in the checkpoint):
 GPT-2 BPE ids outside it become <unk> (a warning says when more than UNK_WARN of the prompt
 did). The text <|endoftext|> in a prompt is the end-of-text id, the document separator:
@@ -39,18 +41,21 @@ UNK_WARN = 0.1  # warn when more than this share of the prompt becomes <unk>
 
 
 def read_prompt(start):
-    """The prompt text: `start` itself, or the contents of the file after 'FILE:'."""
+    """The prompt text: `start` itself, or the contents of the file after 'FILE:' less one final
+    line ending: editors and `echo` end a file with one, and the continuation would begin on a new
+    line (end the file with two to keep one)."""
     if not start.startswith('FILE:'):
         return start
     path = os.path.expanduser(start[len('FILE:'):])  # FILE:~/prompt.txt: no shell expands it there
     try:
         with open(path, encoding='utf-8') as f:  # not utf-8-sig, whose errors count bytes after the mark
-            return f.read().removeprefix('\ufeff')  # a byte-order mark (Notepad's) is not prompt text
+            text = f.read().removeprefix('\ufeff')  # a byte-order mark (Notepad's) is not prompt text
     except OSError as e:
         raise SystemExit(f"--start={start}: cannot read the prompt file ({e.strerror})")
     except UnicodeDecodeError as e:
         raise SystemExit(f"--start={start}: the prompt file is not UTF-8 text (byte {e.start}: {e.reason}); "
                          f"convert it, e.g. iconv -f ITS_ENCODING -t UTF-8 {path} > prompt.txt") from None
+    return text.removesuffix('\n')  # open's universal newlines read \r\n and \r as \n
 
 
 def validate(cfg):

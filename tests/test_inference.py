@@ -582,6 +582,17 @@ def test_a_prompt_file_that_is_not_utf8_is_one_line_naming_the_conversion(tmp_pa
         sample.read_prompt(f'FILE:{prompt}')
 
 
+@pytest.mark.parametrize('ending, kept', [(b'\n', ''), (b'\r\n', ''), (b'\r', ''), (b'\n\n', '\n'), (b'', ''),
+                                          (b' \n', ' ')])
+def test_a_prompt_file_loses_the_one_line_ending_an_editor_adds(tmp_path, ending, kept):
+    """rustformers/llm#60 (llama.cpp drops it too): `echo 'the cat' > prompt.txt` ends the file with a
+    newline, and the continuation began on a new line. One is dropped; a second is the user's."""
+    prompt = tmp_path / 'prompt.txt'
+    prompt.write_bytes(b'the cat\nsat' + ending)
+    assert sample.read_prompt(f'FILE:{prompt}') == 'the cat\nsat' + kept
+    assert sample.read_prompt('the cat\n') == 'the cat\n'  # a prompt typed as --start is taken as it is
+
+
 def test_fold_refuses_an_out_folder_it_cannot_write_before_folding(tmp_path, monkeypatch, read_only):
     model = linear_phase()
     ckpt = tmp_path / 'ckpt.pt'
