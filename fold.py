@@ -288,6 +288,7 @@ def main(argv):
 
     out_ckpt = {k: v for k, v in ck.items() if k != 'optimizer'}  # the optimizer state is for training
     names = [n for n, _ in fold_pairs(ck['model_args'])]
+    folded.cpu()  # the file, the inference artifact, holds CPU tensors whatever device checked it: it loads anywhere
     out_ckpt.update(model=folded.state_dict(), model_args=args, folded_norms=names,
                     folded_from=os.path.abspath(cfg.ckpt))
     save_checkpoint(out_ckpt, cfg.out)

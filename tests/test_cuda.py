@@ -155,6 +155,9 @@ def test_fold_and_sample_on_cuda(trained, tmp_path, exact_fp32):
     folded_path = tmp_path / 'folded.pt'
     report = fold.main([f'--ckpt={out / "ckpt.pt"}', f'--out={folded_path}', '--device=cuda'])
     assert report['max_abs_logit_diff'] <= 1e-3 * report['max_abs_logit']
+    # checked on the GPU, written with CPU tensors: a plain torch.load opens it on a machine without one
+    saved = torch.load(folded_path, weights_only=True)['model']
+    assert {t.device.type for t in saved.values()} == {'cpu'}
     unfolded, _ = load_model(str(out / 'ckpt.pt'), 'cuda')
     folded, _ = load_model(str(folded_path), 'cuda')
     prompt = torch.randint(1, 2048, (2, 8), device='cuda', generator=torch.Generator('cuda').manual_seed(0))
