@@ -16,6 +16,7 @@ import errno
 import functools
 import json
 import os
+import re
 import shlex
 import signal
 import sys
@@ -948,7 +949,8 @@ def load_checkpoint(path, device='cpu'):
     """The dict that train.py or fold.py saved at path, tensors on device (weights_only: no
     code runs). The one loader every script uses: the weights' names lose the prefixes a compiled or
     DDP-wrapped model adds. SystemExit with one line that says what is wrong: no file (a run folder
-    names its ckpt.pt), not a readable checkpoint, missing keys, NaN or inf in the weights,
+    names its ckpt.pt), a file it cannot read (permissions, the disk, memory), a Python object the
+    safe loader refuses (another program's file), not a readable checkpoint, missing keys, NaN or inf in the weights,
     model_args keys this code does not know (model_config).
     """
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, 'ckpt.pt')):
@@ -957,7 +959,19 @@ def load_checkpoint(path, device='cpu'):
         raise SystemExit(f"checkpoint {path} not found: train.py writes OUT_DIR/ckpt.pt, fold.py its --out")
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
-    except Exception:  # torch raises many kinds (UnpicklingError, EOFError, RuntimeError, ...)
+    except OSError as e:  # the file may be whole: the reading failed (permissions, the disk)
+        raise SystemExit(f"cannot read the checkpoint {path}: {e.strerror or e}") from None
+    except Exception as e:  # torch raises many kinds (UnpicklingError, EOFError, RuntimeError, ...)
+        if out_of_memory(e):
+            size = os.path.getsize(path) / 2 ** 30
+            raise SystemExit(f"not enough memory to read the checkpoint {path} ({size:.1f} GiB, the optimizer "
+                             "state included): free memory, or load it on a machine with more") from None
+        # a global the safe loader does not run (torch 2.6 made weights_only the default): a whole file that
+        # something else wrote, e.g. with a numpy scalar in its config (torch names it; its wording varies)
+        if (found := re.search(r'GLOBAL ([\w.]+) was not an allowed global', str(e))) is not None:
+            raise SystemExit(f"{path} holds a Python object of type {found[1]}, which torch.load's safe mode "
+                             "(weights_only=True) does not load: train.py and fold.py save only tensors and plain "
+                             "Python values, so another program wrote it; save it with those alone") from None
         raise SystemExit(f"{path} is not a readable checkpoint (truncated or corrupt); "
                          "use another copy or retrain") from None
     missing = [k for k in CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]

@@ -10,6 +10,7 @@ import json
 import os
 import queue
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -673,6 +674,38 @@ def test_one_checkpoint_loader_with_one_line_errors(tmp_path, content, message):
         load_checkpoint(str(tmp_path))
     with pytest.raises(SystemExit, match=message.replace('(', r'\(').replace(')', r'\)')):
         train.main([f'--out_dir={tmp_path}', '--init_from=resume'])
+
+
+@pytest.mark.parametrize('error, message', [
+    (PermissionError(errno.EACCES, 'Permission denied'), 'cannot read the checkpoint {}: Permission denied$'),
+    (OSError(errno.EIO, 'Input/output error'), 'cannot read the checkpoint {}: Input/output error$'),
+    (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8589934592 bytes."),
+     r'not enough memory to read the checkpoint {} \(0.0 GiB, the optimizer state included\): free memory'),
+], ids=['permissions', 'disk', 'memory'])
+def test_a_whole_checkpoint_that_cannot_be_read_is_not_called_corrupt(tmp_path, monkeypatch, error, message):
+    """A good file read by another user, from a failing disk or into too little memory was called
+    "truncated or corrupt; use another copy or retrain": a user could delete a good run."""
+    path = tmp_path / 'ckpt.pt'
+    torch.save({'model': {}, 'model_args': {}}, path)
+
+    def load(*args, **kwargs):
+        raise error
+    monkeypatch.setattr(torch, 'load', load)
+    with pytest.raises(SystemExit, match='^' + message.format(re.escape(str(path)))):
+        load_checkpoint(str(path))
+
+
+def test_a_checkpoint_that_another_program_wrote_with_python_objects_names_them(tmp_path):
+    """torch 2.6's weights_only default (nerfstudio#3702): a numpy scalar in a checkpoint's config is a
+    global the safe loader refuses; the file is whole and was called corrupt."""
+    path = tmp_path / 'ckpt.pt'
+    torch.save({'model': {}, 'model_args': {}, 'config': {'learning_rate': np.float64(6e-4)}}, path)
+    with pytest.raises(SystemExit) as e:
+        load_checkpoint(str(path))
+    assert re.fullmatch(rf"{re.escape(str(path))} holds a Python object of type numpy\.[\w.]*scalar, which "
+                        r"torch\.load's safe mode \(weights_only=True\) does not load: train\.py and fold\.py save "
+                        r"only tensors and plain Python values, so another program wrote it; save it with those alone",
+                        str(e.value)), str(e.value)
 
 
 def test_weights_saved_from_a_wrapped_model_load_and_weights_of_another_model_are_one_line(toy_data, tmp_path):
