@@ -125,14 +125,15 @@ def export_gpt2(model, folder):
     FakeLN before its first removal) as a transformers GPT-2 folder (save_pretrained: config.json
     and the weights), the inverse of from_pretrained: loading the folder gives the same logits.
     Conv1D weights are stored transposed; a model without biases gets zero biases. Raises
-    PretrainedError for a model GPT-2 cannot express: RMSNorm, DyT or Derf, folded, tapered (taper
-    or linear phase), or FakeLN after a removal."""
+    PretrainedError for a model GPT-2 cannot express: RMSNorm, DyT or Derf, folded, tapered (g < 1
+    in the taper phase, or the linear phase), or FakeLN after a removal."""
     c = model.config
     stage = int(model.fakeln_stage) if c.norm_removal == 'fakeln' else 0
     refusals = [
         (c.norm != 'layernorm', f"its norms are {NORM_NAMES.get(c.norm, c.norm)}; GPT-2 normalizes with LayerNorm"),
         (c.folded, "it is folded: its norms were merged into the next weights"),
-        (model.phase in ('taper', 'linear'),
+        # at g = 1 a taper-phase norm is g·N(x) + 0·L(x) = N(x), exactly: the first taper step's checkpoint exports
+        (model.phase == 'linear' or (model.phase == 'taper' and model.gate.item() < 1),
          f"it is in the {model.phase} phase (g = {model.gate.item():.4g}): its tapered norms no longer normalize"),
         (stage > 0, f"FakeLN has removed {FAKELN_EVENTS[stage - 1]} (and what came before): those norms no "
                     "longer normalize")]

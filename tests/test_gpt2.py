@@ -225,7 +225,8 @@ def test_taperln_at_gate_one_is_the_pretrained_layernorm_and_calibrates_on_its_a
 # ---- export -------------------------------------------------------------------------------
 
 @needs_transformers
-@pytest.mark.parametrize('kind', ['baseline', 'no_bias', 'warmup_taper', 'fakeln_before_removal', 'pretrained'])
+@pytest.mark.parametrize('kind', ['baseline', 'no_bias', 'warmup_taper', 'taper_at_g1', 'fakeln_before_removal',
+                                  'pretrained'])
 def test_export_then_load_gives_the_same_logits(kind, gpt2_folder, tmp_path):
     from transformers import GPT2LMHeadModel
     torch.manual_seed(5)
@@ -233,6 +234,7 @@ def test_export_then_load_gives_the_same_logits(kind, gpt2_folder, tmp_path):
     model = {'baseline': lambda: GPT(GPTConfig(**shape, activation='gelu')),
              'no_bias': lambda: GPT(GPTConfig(**shape, bias=False)),
              'warmup_taper': lambda: GPT(GPTConfig(**shape, taper='internal', activation='gelu_tanh')),
+             'taper_at_g1': lambda: taper_phase_at(1.0),  # the first taper step: g·N + (1 − g)·L is N
              'fakeln_before_removal': lambda: GPT(GPTConfig(**shape, norm_removal='fakeln')),
              'pretrained': lambda: from_pretrained(str(gpt2_folder[0]))}[kind]().eval()
     with torch.no_grad():  # gains and biases away from 1 and 0, so that a dropped one shows
@@ -251,6 +253,13 @@ def test_export_then_load_gives_the_same_logits(kind, gpt2_folder, tmp_path):
 
 def linear_phase_taper():
     return linear_phase_model(vocab_size=50, norm='layernorm', taper='internal').eval()
+
+
+def taper_phase_at(g):
+    model = linear_phase_taper()  # calibrated: c and γ̃ away from N's scale, so that any share of L shows
+    model.set_phase('taper')
+    model.set_gate(g)
+    return model
 
 
 def fakeln_model(events, kind='layernorm', seed=0, steps_per_event=2):
@@ -281,6 +290,7 @@ def test_export_refuses_what_gpt2_cannot_express(tmp_path):
              (GPT(GPTConfig(**shape, norm='dyt', taper='none')), r"its norms are DyT \(tanh"),
              (GPT(GPTConfig(**shape, norm='derf', taper='none')), r"its norms are Derf \(erf"),
              (linear_phase_taper(), r"it is in the linear phase \(g = 0\)"),
+             (taper_phase_at(0.999), r"it is in the taper phase \(g = 0.999\)"),
              (fold.fold_model(linear_phase_taper()), "it is folded"),
              (fakeln_model(1), "FakeLN has removed ln_2")]
     for model, message in cases:
