@@ -79,20 +79,24 @@ def resume_config(argv, out_dir, defaults, choices, validate, free):
 
 # ---- the dataset ----------------------------------------------------------------------------
 
-def prepare_command(dataset):
-    """The command that prepares `dataset`, for error messages."""
+def prepare_command(dataset, data_dir='data'):
+    """The command that prepares `dataset` where train.py looks for it (data_dir/dataset: --out_dir
+    when data_dir is not the scripts' default), for error messages."""
     name, ext = os.path.splitext(os.path.basename(dataset))
+    folder = os.path.normpath(os.path.join(REPO, data_dir, name if ext else dataset))  # as find_dataset joins it
+    to = '' if folder == os.path.join(REPO, 'data', name if ext else dataset) else f' --out_dir={shlex.quote(folder)}'
     if ext:  # --dataset=austen.txt: a file where a dataset name belongs
-        return (f"python data/text/prepare.py --name={name} --input={dataset}   "
+        return (f"python data/text/prepare.py --name={name} --input={dataset}{to}   "
                 f"(then --dataset={name}: --dataset names a prepared folder, not a text file)")
     if dataset == 'tinystories':
-        return 'python data/tinystories/prepare.py'
+        return f'python data/tinystories/prepare.py{to}'
     if dataset in ('openwebtext', 'pile'):  # streamed from the Hugging Face hub, full GPT-2 vocabulary
-        return (f'python data/{dataset}/prepare.py   (offline: python data/{dataset}/prepare.py '
-                f'--input=PATH/TO/{dataset}.jsonl)')
+        return (f'python data/{dataset}/prepare.py{to}   (offline: python data/{dataset}/prepare.py '
+                f'--input=PATH/TO/{dataset}.jsonl{to})')
     from data.text.prepare import PUBLIC_CORPORA  # names prepare.py can download
-    local = f'python data/text/prepare.py --name={dataset} --input=PATH/TO/{dataset}.txt'
-    return f'python data/text/prepare.py --name={dataset}   (offline: {local})' if dataset in PUBLIC_CORPORA else local
+    local = f'python data/text/prepare.py --name={dataset} --input=PATH/TO/{dataset}.txt{to}'
+    return (f'python data/text/prepare.py --name={dataset}{to}   (offline: {local})' if dataset in PUBLIC_CORPORA
+            else local)
 
 
 def find_dataset(cfg, may_prepare, cpu_hint=''):
@@ -118,8 +122,8 @@ def find_dataset(cfg, may_prepare, cpu_hint=''):
             guess = misspelled(folder)
             prepare = "otherwise prepare it first" if guess else "Prepare the dataset first"
             raise SystemExit(f"{os.path.join(folder, name)} not found. {guess}{prepare}:\n"
-                             f"    {prepare_command(cfg.dataset)}")
-    meta = check_dataset(folder, cfg.block_size, prepare_command(cfg.dataset))
+                             f"    {prepare_command(cfg.dataset, cfg.data_dir)}")
+    meta = check_dataset(folder, cfg.block_size, prepare_command(cfg.dataset, cfg.data_dir))
     if cfg.init_from not in ('scratch', 'resume') and compact_vocabulary(meta):
         raise SystemExit(f"init_from={cfg.init_from} reads GPT-2's own token ids, but {folder} holds a compact "
                          f"vocabulary of {meta['vocab_size']} ids: prepare it with the full GPT-2 vocabulary "

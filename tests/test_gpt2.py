@@ -744,8 +744,9 @@ def test_prepare_bad_inputs_give_clear_errors(tmp_path, case, message):
 
 def test_train_names_the_prepare_command_of_the_web_corpora(tmp_path):
     for name in ('openwebtext', 'pile'):
-        with pytest.raises(SystemExit, match=f'python data/{name}/prepare.py   \\(offline: python data/{name}/'
-                                             f'prepare.py --input=PATH/TO/{name}.jsonl\\)'):
+        to = f'--out_dir={tmp_path}/{name}'  # where train.py looks, with this data_dir
+        with pytest.raises(SystemExit, match=f'python data/{name}/prepare.py {to}   \\(offline: python data/{name}/'
+                                             f'prepare.py --input=PATH/TO/{name}.jsonl {to}\\)'):
             train.main([f'--data_dir={tmp_path}', f'--dataset={name}', '--device=cpu'])
 
 

@@ -492,9 +492,21 @@ def test_a_non_finite_gradient_with_a_finite_loss_stops_and_says_which(toy_data,
         train.main(toy_args(toy_data, tmp_path / 'inf'))
 
 
-def test_missing_dataset_names_the_prepare_command(tmp_path):
-    with pytest.raises(SystemExit, match=r'data/text/prepare.py --name=austen   \(offline: python data/text/prepare.py --name=austen --input=PATH/TO/austen.txt\)'):
+def test_missing_dataset_names_the_prepare_command_that_writes_where_train_looks(tmp_path):
+    assert runs.prepare_command('austen') == runs.prepare_command('austen', './data') == (
+        'python data/text/prepare.py --name=austen   (offline: python data/text/prepare.py --name=austen '
+        '--input=PATH/TO/austen.txt)')  # the default data_dir: prepare.py's default folder
+    with pytest.raises(SystemExit) as e:  # another data_dir: the command said nothing of it, and wrote to data/austen
         train.main([f'--data_dir={tmp_path}', '--dataset=austen', '--device=cpu'])
+    assert str(e.value).endswith(f'python data/text/prepare.py --name=austen --out_dir={tmp_path}/austen   (offline: '
+                                 f'python data/text/prepare.py --name=austen --input=PATH/TO/austen.txt '
+                                 f'--out_dir={tmp_path}/austen)')
+    from data.text import prepare  # the offline command, run as given, prepares where train.py looks
+    (tmp_path / 'austen.txt').write_text('It is a truth universally acknowledged.\n' * 400)
+    offline = str(e.value).rsplit('(offline: ', 1)[1].removesuffix(')').split()[2:]
+    prepare.main([a.replace('PATH/TO/austen.txt', str(tmp_path / 'austen.txt')) for a in offline] + ['--vocab_size=32'])
+    cfg = train.load_config([f'--data_dir={tmp_path}', '--dataset=austen', '--block_size=16'])
+    assert runs.find_dataset(cfg, may_prepare=False)[0] == os.path.join(tmp_path, 'austen')
 
 
 def test_a_misspelled_dataset_names_the_prepared_one_nearest_it(toy_data):
