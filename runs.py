@@ -588,20 +588,23 @@ def take_lock(f, wait=False):
     True, having warned on stderr, once per filesystem, that nothing keeps a second process out of f's folder.
     Other OSErrors propagate."""
     if fcntl is None:
-        return True
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-    except BlockingIOError:
-        return False
-    except OSError as e:
-        if e.errno not in NO_LOCKS:
-            raise
-        folder = os.path.dirname(os.path.abspath(f.name))
-        device = os.stat(folder).st_dev
-        if device not in _unlocked:  # a study's cells: one warning, not one per cell
-            _unlocked.add(device)
-            print(f"warning: {folder} is on a filesystem that cannot lock files ({e.strerror}): nothing "
-                  "keeps two processes from writing there at the same time", file=sys.stderr, flush=True)
+        why = 'a system without fcntl: Windows'
+    else:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            return True
+        except BlockingIOError:
+            return False
+        except OSError as e:
+            if e.errno not in NO_LOCKS:
+                raise
+            why = e.strerror
+    folder = os.path.dirname(os.path.abspath(f.name))
+    device = os.stat(folder).st_dev
+    if device not in _unlocked:  # a study's cells: one warning, not one per cell
+        _unlocked.add(device)
+        print(f"warning: {folder} is on a filesystem that cannot lock files ({why}): nothing "
+              "keeps two processes from writing there at the same time", file=sys.stderr, flush=True)
     return True
 
 

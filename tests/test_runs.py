@@ -83,6 +83,11 @@ def test_a_filesystem_that_cannot_lock_warns_once_and_the_run_goes_on(toy_data, 
         monkeypatch.setattr(fcntl, 'flock', lambda f, op: flock(f, op, errno.EBADF))
         with pytest.raises(OSError, match='Bad file descriptor'):
             runs.take_lock(f)
+        monkeypatch.setattr(runs, 'fcntl', None)  # Windows: no lock at all, and the same warning (it said nothing)
+        monkeypatch.setattr(runs, '_unlocked', set())
+        assert runs.take_lock(f) is True and runs.take_lock(f) is True
+    assert capfd.readouterr().err == (f'warning: {out} is on a filesystem that cannot lock files (a system without '
+                                      'fcntl: Windows): nothing keeps two processes from writing there at the same time\n')
 
 
 @pytest.mark.parametrize('error', [SystemExit('DIR is in use by another train.py run'),
