@@ -214,7 +214,7 @@ def run_config(argv):
     resumed one (resume_config) or one from GPT-2's weights (pretrained_config)."""
     cfg = load_config(argv)
     if cfg.init_from == 'resume':
-        return resume_config(argv, cfg.out_dir, defaults_of(globals()), CHOICES, validate, RESUME_FREE)
+        return resume_config(argv, cfg.out_dir, defaults_of(globals()), CHOICES, validate, RESUME_FREE, SHAPE_KEYS)
     return (cfg if cfg.init_from == 'scratch' else pretrained_config(argv, cfg)), None
 
 

@@ -362,6 +362,14 @@ def test_train_from_a_pretrained_folder_takes_its_shape_and_starts_from_its_weig
     # a resumed run rebuilds the same model from its checkpoint (no transformers involved)
     resumed = train.main([f'--out_dir={out}', '--init_from=resume'])
     assert resumed.config == model.config
+    # with a schedule_scale (config/smoke.py's), the command that started it + --init_from=resume continues
+    # it: its shape stays the pretrained folder's, where train.py's defaults were said to "change the run"
+    scaled = toy_args(toy_data, tmp_path / 'scaled', init_from=folder, schedule_scale=0.5)
+    first = train.main(scaled)
+    cfg, ckpt = train.run_config(scaled + ['--init_from=resume'])
+    assert (cfg.max_iters, cfg.n_layer, cfg.n_embd, cfg.norm, cfg.activation) == \
+        (ckpt['config']['max_iters'], first.config.n_layer, first.config.n_embd, 'layernorm', 'gelu_tanh')
+    assert cfg.max_iters == train.load_config(toy_args(toy_data, out)).max_iters // 2  # scaled once, not twice
     # the same fine-tune started again (not resumed) would replace the checkpoint: refused, as a scratch run is
     before = (out / 'log.jsonl').read_text()
     with pytest.raises(SystemExit, match=r'already holds a run \(ckpt.pt, log.jsonl\): continue it with --init_from=resume'):
