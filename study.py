@@ -904,7 +904,7 @@ def ladder_best(cells, args):
     added at the best rate cannot move it; {seed: cell} holds every seed run there. note is
     '(so far)' while a seed-1 cell of the variant at that point is still to run, else 'edge' when
     the best is the smallest or largest rate of a grid of three or more (block 6's two rates are no
-    grid)."""
+    grid). A variant with no seed-1 cell at a point has no entry there."""
     runs = {}
     for name, c in cells.items():
         v, size, budget, lr, seed = name.split('-')
@@ -914,7 +914,10 @@ def ladder_best(cells, args):
     for point, by_v in runs.items():
         out[point] = {}
         for v, by_lr in by_v.items():
-            best = min((lr for lr in by_lr if 1 in by_lr[lr]), key=lambda lr: val(by_lr[lr][1]))
+            ranked = [lr for lr in by_lr if 1 in by_lr[lr]]
+            if not ranked:  # seed 1 ranks the grid: without it (running elsewhere, left out by --only) no best yet
+                continue
+            best = min(ranked, key=lambda lr: val(by_lr[lr][1]))
             todo = any(n.startswith(f'{v}-{point[0]}-t{point[1]}-') and n.endswith('-s1') and n not in cells
                        for n in args)
             edge = len(by_lr) > 2 and best in (min(by_lr), max(by_lr))

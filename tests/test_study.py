@@ -706,6 +706,10 @@ def test_ladder_best_chooses_on_seed_1_and_marks_only_its_grid():
     # a seed-1 cell of the grid still to run: the best so far
     assert study.ladder_best(cells, {n: [] for n in [*cells, 'baseline-1M-t9M-lr0.032-s1']})['1M', '9M']['baseline'][2] \
         == '(so far)'
+    # a variant with seeds 2-3 and no seed-1 cell (running elsewhere, or left out by --only): no best yet,
+    # where min() of nothing crashed every table and plot.py --fit
+    seeds = {n: c for n, c in cells.items() if not n.startswith('internal_rel')} | {'internal_rel-1M-t9M-lr0.008-s2': cell(4.1)}
+    assert set(study.ladder_best(seeds, {n: [] for n in seeds})['1M', '9M']) == {'baseline'}
 
 
 def test_t_quantile_matches_the_t_table():
