@@ -452,7 +452,7 @@ def read_results(path):
 class Results:
     """study_dir/results.json: {'cells': {name: record}}, rewritten after every cell. Two drivers
     (two matrices at once) may share it: each write re-reads the file under an flock and
-    changes only its own cell."""
+    changes only its own cell, and a driver re-reads it before each cell it takes (refresh)."""
 
     def __init__(self, path):
         self.path, self.lock = path, threading.Lock()
@@ -461,12 +461,17 @@ class Results:
     def read(self):
         return read_results(self.path) if os.path.exists(self.path) else {'cells': {}}
 
+    def refresh(self):
+        """Re-read the file under its flock: what another driver recorded since this one read it."""
+        self.put(None, None)
+
     def put(self, name, record):
         with self.lock, open(self.path + '.lock', 'w') as lock:
             runs.take_lock(lock, wait=True)
             self.data = self.read()
-            self.data['cells'][name] = record
-            atomic_write_json(self.data, self.path)
+            if name is not None:
+                self.data['cells'][name] = record
+                atomic_write_json(self.data, self.path)
 
 
 def open_segment(out_dir):
@@ -608,6 +613,7 @@ def run_cell(name, args, out_dir, results, threads, isa='', stop=None):
 def run_held_cell(name, args, out_dir, results, threads, isa, lock, stop):
     """run_cell's work once this driver holds the cell's lock (the open file lock: train.py inherits
     it, so a driver killed mid-run leaves the cell held until its train.py ends too)."""
+    results.refresh()  # another driver may have finished the cell, or seen it diverge, since this one began
     try:
         records = read_log(out_dir)
     except SystemExit as e:  # a log damaged before its last line: this cell waits for its repair, not the others

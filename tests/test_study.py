@@ -460,6 +460,29 @@ def test_a_second_driver_skips_the_cell_the_first_runs_and_leaves_its_account_an
     assert ran == ['all-end-s1', 'baseline-end-s1'] and 'skipped' not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize('ending', ['finished', 'diverged'])
+def test_a_driver_that_reaches_a_cell_another_has_ended_since_it_began_keeps_that_record(tiny_matrix, tmp_path,
+                                                                                       monkeypatch, ending):
+    """A second driver decided from the results it read when it began: a cell the first finished
+    meanwhile lost its record's config, data and wall time to a rebuilt one, and a cell that
+    diverged meanwhile was trained again (ctcache#46's stale read outside the lock)."""
+    out, name = tmp_path / 'study', 'all-end-s1'
+    later = study.Results(str(out / 'results.json'))  # the second driver, begun before the first ended the cell
+    args = tiny_matrix[name]
+    if ending == 'diverged':  # a real tiny run, as test_a_diverged_cell_is_recorded_... makes one
+        args = args + ['--learning_rate=1e30', '--grad_clip=0.0']
+        monkeypatch.setitem(study.MATRICES, 'tiny', {name: args})
+    else:
+        fake_train(monkeypatch)
+    study.main(['--matrix=tiny', f'--only={name}', f'--study_dir={out}', '--table=False'])
+    first = json.loads((out / 'results.json').read_text())['cells'][name]
+    output = (out / name / 'train.out').read_text()
+    assert first['status'] == ending and first['config'] and first.get('wall_s') is not None
+    assert study.run_cell(name, args, out / name, later, 1) == ending
+    assert json.loads((out / 'results.json').read_text())['cells'][name] == first  # not rebuilt without them
+    assert (out / name / 'train.out').read_text() == output  # not run again
+
+
 def step(it, loss, phase='warmup'):
     return {'iter': it, 'loss': loss, 'phase': phase, 'hidden_rms': 1.0, 'logit_rms': 2.0, 'radial_cos': -0.01,
             'step_ms': 5.0}
