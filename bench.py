@@ -53,7 +53,7 @@ import torch
 
 from baselines import NORM_FREE
 from benchkit import (calibrated_model, conditions, default_trials, device_name, interleaved, median_ratio_interval,
-                      print_conditions, print_profile, random_tokens, with_peak)
+                      print_conditions, print_profile, profiled, random_tokens, with_peak)
 from configurator import (ConfigError, check_at_least, check_compiler, configure, defaults_of, keys_set,
                           resolve_device, run_command, set_tf32, uses_tf32)
 from fold import CheckError, fold_model, max_logit_error, tensor_bytes
@@ -421,8 +421,6 @@ def profile_step(models, compiled_steps, prompts, device_type):
     compiled) compiled; prints the operators by self time, then the step's totals (operator calls,
     host ms; on CUDA kernels and device ms: a step whose host time exceeds its device time is
     launch-bound, and there a kernel less saves its launch)."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == 'cuda' else [])
     hows = ('eager', 'compiled') if compiled_steps else ('eager',)
     for n, how in [(n, how) for n in models for how in hows]:
         first, step = compiled_steps[n] if how == 'compiled' else make_steps(False, device_type)
@@ -432,9 +430,7 @@ def profile_step(models, compiled_steps, prompts, device_type):
         for _ in range(3):
             step(models[n], tok, pos)
         sync(device_type)  # the warm-up's kernels end outside the profile
-        with torch_profile(activities=activities) as prof:
-            step(models[n], tok, pos)
-            sync(device_type)
+        prof = profiled(lambda: (step(models[n], tok, pos), sync(device_type)), device_type)
         print_profile(prof, f"one decode step of {n} ({how})", device_type, row_limit=14)
 
 

@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 import train
 from benchkit import (calibrated_model, conditions, default_trials, device_name, interleaved, print_conditions,
-                      print_profile, random_tokens, with_peak)
+                      print_profile, profiled, random_tokens, with_peak)
 from configurator import check_compiler
 from fold import tensor_bytes
 from model import GPT, PHASES, GPTConfig
@@ -246,11 +246,8 @@ def projected_run(results, sched):
 def profile_steps(runs, compiled, device_type):
     """A torch.profiler table of one training step of each row, operators by self time, then the
     step's totals (profile_totals): whether a row's extra time is work on the device or launches."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == 'cuda' else [])
     for (variant, phase), run in runs.items():
-        with torch_profile(activities=activities) as prof:
-            run()
+        prof = profiled(run, device_type)
         print_profile(prof, f"one training step of {variant}, phase {phase} ({'compiled' if compiled else 'eager'})",
                       device_type, row_limit=12)
 

@@ -90,6 +90,18 @@ def median_ratio_interval(numerators, denominators, confidence=CONFIDENCE):
     return r[j - 1], r[n - j], coverage(j)
 
 
+def profiled(run, device_type):
+    """A finished torch.profiler run of run() (host events; on CUDA its kernels too), profiled twice
+    and the first thrown away: a process's first profiler session pays the profiler's start-up
+    (kineto#328), which made the first row profiled, always the baseline, look slower than itself."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == 'cuda' else [])
+    for _ in range(2):
+        with profile(activities=activities) as prof:
+            run()
+    return prof
+
+
 def profile_totals(prof):
     """{'operators': calls of torch operators (aten:: and the compiled graph's; an operator another
     calls is counted too, as the profiler's table counts it), 'host_ms': the host events' self time,

@@ -505,6 +505,27 @@ def test_the_profile_counts_each_rows_operators_and_the_ema_statistics_among_the
     assert calls['internal', 'warmup'] > calls['baseline', 'baseline']  # + TaperNorm.observe's ops in each norm
 
 
+def test_no_rows_profile_is_the_profilers_first_session(monkeypatch):
+    """kineto#328: a process's first profiler session pays the profiler's start-up, and the first
+    row profiled, always the baseline, showed about twice its host time. Every row's printed
+    profile now comes after a session thrown away, in both modes."""
+    import torch.profiler
+    real, sessions, printed = torch.profiler.profile, [], []
+
+    def profile(*args, **kwargs):
+        sessions.append(real(*args, **kwargs))
+        return sessions[-1]
+
+    monkeypatch.setattr(torch.profiler, 'profile', profile)
+    for script in (bench, bench_train):
+        monkeypatch.setattr(script, 'print_profile', lambda prof, title, *a, **k: printed.append((sessions.index(prof), title)))
+    bench.main(TINY + ['--profile=True'])
+    bench.main(TRAIN + ['--compile=eager', '--profile=True'])
+    decode = [t for _, t in printed if 'decode step' in t]
+    assert len(decode) == 4 and len(printed) == 4 + sum(map(len, PHASES_OF.values()))  # every variant, every row
+    assert 0 not in [i for i, _ in printed]
+
+
 def test_the_schedule_is_read_from_train_configs_as_train_py_runs_them():
     """The default schedule is the All-Taper TinyStories config's, and config/cpu.py overlays it;
     the reference values come from executing the config files here, not through train.py."""
