@@ -123,7 +123,8 @@ SCALED_KEYS = ('max_iters', 'lr_decay_iters', 'warmup_iters', 'gate_warmup_iters
 
 def scale_schedule(cfg):
     """Resolve schedule_scale in the dict cfg, in place: each of SCALED_KEYS times it, rounded
-    (at least 1, warmup_iters excepted), then schedule_scale = 1.0, so the resolved configuration
+    (a count above 0 to at least 1, warmup_iters excepted; one of 0 or less stays as given, for
+    validate to refuse as typed), then schedule_scale = 1.0, so the resolved configuration
     (the one a checkpoint stores and a resume compares with) holds the real step counts.
     Raises ConfigError for schedule_scale <= 0."""
     scale = cfg['schedule_scale']
@@ -131,7 +132,8 @@ def scale_schedule(cfg):
         raise ConfigError(f"schedule_scale={scale} must be a finite number > 0 (0.1: a tenth of every step count)")
     if scale != 1:
         for key in SCALED_KEYS:
-            cfg[key] = round(cfg[key] * scale) if key == 'warmup_iters' else max(1, round(cfg[key] * scale))
+            n = cfg[key]
+            cfg[key] = round(n * scale) if key == 'warmup_iters' else max(1, round(n * scale)) if n > 0 else n
         cfg['schedule_scale'] = 1.0
 
 

@@ -10,7 +10,7 @@ dataset = 'austen'       # ~0.94M training tokens, 10k compact vocabulary (99.3 
 device = 'cpu'
 
 # The 1M row of the docs/method.md §6 ladder (n_embd=64, n_head=2; 1.07M parameters at context 512,
-# 1.06M here) with a 4× shorter context.
+# 1.05M here) with a 4× shorter context.
 n_embd = 64
 n_head = 2
 block_size = 128

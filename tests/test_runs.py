@@ -1050,6 +1050,10 @@ def test_a_refused_schedule_says_which_argument_set_each_value_it_quotes_and_wha
                           'max_iters 300 → 150): ')
     assert msg.endswith('; set by config/cpu.py (gate_warmup_iters, taper_iters), --max_iters=300 (max_iters), '
                         'config/smoke.py (schedule_scale)')
+    # a zero warmup or taper is refused scaled as unscaled: scaling made it 1 (a calibration at iteration 0)
+    for key in ('gate_warmup_iters', 'taper_iters'):
+        assert refused(['config/tinystories_all_taper.py', 'config/cpu.py', 'config/smoke.py', f'--{key}=0']).startswith(
+            f'config error: {key}=0 must be >= 1')
     msg = refused(['config/tinystories_all_taper.py', 'config/cpu.py', '--max_iters=800'])  # 150 + 750 > 800, unscaled
     assert 'schedule_scale' not in msg and msg.endswith(
         '; set by config/cpu.py (gate_warmup_iters, taper_iters), --max_iters=800 (max_iters)')
