@@ -370,6 +370,10 @@ def test_train_from_a_pretrained_folder_takes_its_shape_and_starts_from_its_weig
     assert (cfg.max_iters, cfg.n_layer, cfg.n_embd, cfg.norm, cfg.activation) == \
         (ckpt['config']['max_iters'], first.config.n_layer, first.config.n_embd, 'layernorm', 'gelu_tanh')
     assert cfg.max_iters == train.load_config(toy_args(toy_data, out)).max_iters // 2  # scaled once, not twice
+    # a checkpoint a resumed segment wrote stores init_from='resume': the shape must still come from it
+    torch.save({**ckpt, 'config': {**ckpt['config'], 'init_from': 'resume'}}, tmp_path / 'scaled' / 'ckpt.pt')
+    again, _ = train.run_config(scaled + ['--init_from=resume'])
+    assert vars(again) == vars(cfg)
     # the same fine-tune started again (not resumed) would replace the checkpoint: refused, as a scratch run is
     before = (out / 'log.jsonl').read_text()
     with pytest.raises(SystemExit, match=r'already holds a run \(ckpt.pt, log.jsonl\): continue it with --init_from=resume'):
