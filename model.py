@@ -332,8 +332,12 @@ def check_generate(T0, max_new_tokens, limit, temperature, top_k):
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
     if total > limit:
-        fix = (f"ask for at most {limit - T0} new tokens or shorten the prompt" if T0 < limit else
-               f"shorten the prompt to at most {limit - 1} tokens")  # no new token fits after it
+        if T0 < limit:
+            fix = f"ask for at most {limit - T0} new tokens or shorten the prompt"
+        elif max_new_tokens < limit:  # no count of new tokens fits after this prompt
+            fix = f"shorten the prompt to at most {limit - max(max_new_tokens, 1)} tokens"
+        else:
+            fix = f"ask for at most {limit - 1} new tokens and shorten the prompt to fit"
         raise ValueError(f"a prompt of {T0} tokens + {max_new_tokens} new tokens = {total} positions "
                          f"exceeds the model's context of {limit}; {fix}")
 

@@ -129,9 +129,12 @@ def test_positions_beyond_the_context_are_refused_with_the_limit():
     model = linear_phase(block_size=64)
     with pytest.raises(ValueError, match='context of 64; ask for at most 54 new tokens'):
         model.generate(torch.zeros(1, 10, dtype=torch.long), 55)
-    for new in (0, 1):  # a prompt longer than the context: no count of new tokens fits, so none is offered
-        with pytest.raises(ValueError, match=f'{65 + new} positions exceeds the model.s context of 64; shorten '
-                                             'the prompt to at most 63 tokens$'):
+    # a prompt longer than the context: no count of new tokens fits, so none is offered; the prompt that
+    # leaves room for the tokens asked for (at least one) is
+    for new, fix in ((0, 'shorten the prompt to at most 63 tokens'), (1, 'shorten the prompt to at most 63 tokens'),
+                     (10, 'shorten the prompt to at most 54 tokens'),
+                     (64, 'ask for at most 63 new tokens and shorten the prompt to fit')):
+        with pytest.raises(ValueError, match=f'{65 + new} positions exceeds the model.s context of 64; {fix}$'):
             model.generate(torch.zeros(1, 65, dtype=torch.long), new)
     with pytest.raises(ValueError, match='allows 1 to 64'):
         model.setup_caches(1, 65)
