@@ -11,7 +11,8 @@ A script declares its keys as module globals between two `# ----` lines, each wi
 and calls `cfg = configure(argv, globals())`. The values are, in order: the defaults, each config
 file given (plain Python, executed with the current values as its namespace), then each
 --key=value (a Python literal, or else the bare text); an override given before a file that sets
-its key again is refused (the file would undo it unseen). Overlays (files that set `_overlay = N`:
+its key to another value, with no override of it after the file, is refused (the file would undo it
+unseen). Overlays (files that set `_overlay = N`:
 config/cpu.py, config/smoke.py) come after the base configs in the order of N; any other order is
 refused. `-h` / `--help` prints the block above.
 Every mistake ends the script with one line that names the key and the fix.
@@ -141,6 +142,13 @@ def config_files(args):
     return [a for a in args if not a.startswith('-') and os.path.isfile(a)]
 
 
+def working_order(args):
+    """args in the order that configure applies as meant: the config files in overlay_rank order
+    (sorted is stable: the base configs keep theirs), then every --key=value in its order."""
+    files = config_files(args)
+    return sorted(files, key=overlay_rank) + [a for a in args if a not in files]
+
+
 def check_overlay_order(args):
     """ConfigError unless the config files among args come in overlay_rank order (base configs,
     then config/cpu.py, then config/smoke.py): a file applied out of order would undo or rescale
@@ -150,12 +158,10 @@ def check_overlay_order(args):
     for i in range(1, len(files)):
         early = max(range(i), key=lambda j: ranks[j])  # the overlay that file i should precede
         if ranks[i] < ranks[early]:
-            # sorted is stable: the base configs keep their order, and so do the overrides after them
-            fixed = sorted(files, key=overlay_rank) + [a for a in args if a not in files]
             what = (f"{files[i]} comes after the overlay {files[early]} and would undo it" if ranks[i] == 0 else
                     f"the overlay {files[i]} comes after {files[early]}, which must follow it")
             raise ConfigError(f"{what}: give base configs first, then the overlays (config/cpu.py before "
-                              f"config/smoke.py): {' '.join(fixed)}")
+                              f"config/smoke.py): {' '.join(working_order(args))}")
 
 
 PROSE_KEYS = ('start', 'title', 'labels')  # text keys that are not paths: sample.py's prompt, plot.py's words
@@ -179,8 +185,8 @@ def check_out_file(out, what, example):
 
 def parse_args(args, defaults, choices=None, fill=('out_dir',), origins=None):
     """defaults → config files → --key=value, in the order given; returns a new dict. A
-    --key=value before a config file that sets key to another value is refused: the file would
-    undo the override without a word (nanoGPT's configurator lets it).
+    --key=value before a config file that sets key to another value, and not given again after
+    it, is refused: the file would undo the override without a word (nanoGPT's configurator lets it).
 
     choices: {key: allowed values} for keys that are choices rather than a type (e.g. compile:
     'auto', True, False). fill: string keys whose {key} placeholders are filled from the final
@@ -194,7 +200,7 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',), origins=None):
     choices = choices or {}
     cfg, overridden = dict(defaults), {}  # overridden: {key: the --key=value that set it}
     check_overlay_order(args)
-    for arg in args:
+    for i, arg in enumerate(args):
         if arg.startswith('--'):
             key, eq, text = arg[2:].partition('=')
             if not eq:
@@ -235,11 +241,10 @@ def parse_args(args, defaults, choices=None, fill=('out_dir',), origins=None):
                     raise unknown_key(key, cfg, f"config file {arg}")
                 value = check_type(key, home(key, value), defaults[key], arg, choices.get(key))
                 changed = type(value) is not type(cfg[key]) or value != cfg[key]
-                if changed and key in overridden:
-                    fixed = [a for a in args if not a.startswith('--')] + [a for a in args if a.startswith('--')]
+                if changed and key in overridden and not any(a.startswith(f'--{key}=') for a in args[i + 1:]):
                     raise ConfigError(f"{overridden[key]} comes before {arg}, which sets {key} again and would "
                                       f"undo it: give the config files first, then the --key=value overrides: "
-                                      f"{' '.join(fixed)}")
+                                      f"{' '.join(working_order(args))}")
                 if origins is not None and changed:
                     origins[key] = arg
                 cfg[key] = value

@@ -944,6 +944,8 @@ def test_an_override_before_a_file_that_sets_its_key_again_is_refused_with_the_o
     # an override before a file that leaves its key alone, or sets the value it already has, keeps working
     assert train.load_config(['--calibration=end', 'config/tinystories_all_taper.py']).calibration == 'end'
     assert train.load_config(['config/tinystories_all_taper.py', '--dataset=austen', 'config/cpu.py']).dataset == 'austen'
+    # nor one the user gives again after the file: the value typed last is the one that acts
+    assert train.load_config(['--max_iters=100', 'config/tinystories_baseline.py', '--max_iters=200']).max_iters == 200
 
 
 def test_a_config_file_named_without_its_folder_is_found_for_the_user(tmp_path, monkeypatch):
