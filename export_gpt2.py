@@ -5,9 +5,9 @@ Export a checkpoint whose norms still normalize as a Hugging Face transformers G
     python export_gpt2.py --ckpt=out-gpt2-openwebtext-vanilla/ckpt.pt --out=gpt2-vanilla-owt
     # then: GPT2LMHeadModel.from_pretrained('gpt2-vanilla-owt'), or train.py --init_from=gpt2-vanilla-owt
 
-A baseline with LayerNorm exports, and so does a TaperNorm checkpoint from its gate warmup or a
-FakeLN one from before its first removal; a model GPT-2 cannot express is refused with one line:
-RMSNorm, tapered (taper or linear phase), folded, or FakeLN after a removal; so is one trained on a
+A baseline with LayerNorm exports, and so does a TaperNorm checkpoint from its gate warmup (or the
+taper phase's first step, at g = 1) or a FakeLN one from before its first removal; a model GPT-2
+cannot express is refused with one line: RMSNorm, tapered (g < 1), folded, or FakeLN after a removal; so is one trained on a
 compact vocabulary (a GPT-2 folder's token ids are GPT-2's own). Needs transformers
 (pip install transformers). The script checks its work: it loads the folder back and compares
 teacher-forced logits with the checkpoint's (fold.max_logit_error), and removes the folder if
@@ -26,7 +26,7 @@ from gpt2 import GPT2_MODELS, PretrainedError, export_gpt2, from_pretrained
 from runs import load_model
 
 # -----------------------------------------------------------------------------
-ckpt = ''           # a train.py checkpoint: a LayerNorm baseline, a gate-warmup TaperNorm, or FakeLN before its first removal
+ckpt = ''           # a train.py checkpoint: a LayerNorm baseline, a TaperNorm at g = 1 (its gate warmup), or FakeLN before its first removal
 out = ''            # the folder to write (it must not exist yet, or be empty)
 seed = 1337         # the random tokens of the logit check
 # -----------------------------------------------------------------------------

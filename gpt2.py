@@ -140,7 +140,7 @@ def export_gpt2(model, folder):
     for refused, reason in refusals:
         if refused:
             raise PretrainedError(f"cannot export as GPT-2: {reason}; export a baseline, or a checkpoint "
-                                  "from the gate warmup or before the first FakeLN removal")
+                                  "at g = 1 (the gate warmup's) or before the first FakeLN removal")
     tf = _transformers()
     eot = 50256 if c.vocab_size == 50257 else None  # GPT-2's <|endoftext|>, only in its own vocabulary
     hf = tf.GPT2LMHeadModel(tf.GPT2Config(
