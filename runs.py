@@ -590,8 +590,9 @@ def take_lock(f, wait=False):
     else True. Where nothing can be locked (no fcntl: Windows; a filesystem in NO_LOCKS) it returns
     True, having warned on stderr, once per filesystem, that nothing keeps a second process out of f's folder.
     Other OSErrors propagate."""
+    folder = os.path.dirname(os.path.abspath(f.name))
     if fcntl is None:
-        why = 'a system without fcntl: Windows'
+        what = "this system cannot lock files (no fcntl: Windows)"
     else:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
@@ -601,13 +602,12 @@ def take_lock(f, wait=False):
         except OSError as e:
             if e.errno not in NO_LOCKS:
                 raise
-            why = e.strerror
-    folder = os.path.dirname(os.path.abspath(f.name))
+            what = f"{folder} is on a filesystem that cannot lock files ({e.strerror})"
     device = os.stat(folder).st_dev
     if device not in _unlocked:  # a study's cells: one warning, not one per cell
         _unlocked.add(device)
-        print(f"warning: {folder} is on a filesystem that cannot lock files ({why}): nothing "
-              "keeps two processes from writing there at the same time", file=sys.stderr, flush=True)
+        print(f"warning: {what}: nothing keeps two processes from writing in {folder} at the same time",
+              file=sys.stderr, flush=True)
     return True
 
 

@@ -77,7 +77,7 @@ def test_a_filesystem_that_cannot_lock_warns_once_and_the_run_goes_on(toy_data, 
     assert [r['iter'] for r in read_log(out) if 'final_val_loss' in r] == [16]
     warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith('warning:')]
     assert warnings == [f'warning: {out} is on a filesystem that cannot lock files (No locks available): '
-                        'nothing keeps two processes from writing there at the same time']
+                        f'nothing keeps two processes from writing in {out} at the same time']
     with open(out / '.lock', 'a') as f:
         assert runs.take_lock(f) is True and 'warning' not in capfd.readouterr().err  # once per folder
         monkeypatch.setattr(fcntl, 'flock', lambda f, op: flock(f, op, errno.EBADF))
@@ -86,8 +86,8 @@ def test_a_filesystem_that_cannot_lock_warns_once_and_the_run_goes_on(toy_data, 
         monkeypatch.setattr(runs, 'fcntl', None)  # Windows: no lock at all, and the same warning (it said nothing)
         monkeypatch.setattr(runs, '_unlocked', set())
         assert runs.take_lock(f) is True and runs.take_lock(f) is True
-    assert capfd.readouterr().err == (f'warning: {out} is on a filesystem that cannot lock files (a system without '
-                                      'fcntl: Windows): nothing keeps two processes from writing there at the same time\n')
+    assert capfd.readouterr().err == ('warning: this system cannot lock files (no fcntl: Windows): nothing keeps two '
+                                      f'processes from writing in {out} at the same time\n')
 
 
 @pytest.mark.parametrize('error', [SystemExit('DIR is in use by another train.py run'),
