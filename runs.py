@@ -972,10 +972,11 @@ def load_checkpoint(path, device='cpu'):
     except OSError as e:  # the file may be whole: the reading failed (permissions, the disk)
         raise SystemExit(f"cannot read the checkpoint {path}: {e.strerror or e}") from None
     except Exception as e:  # torch raises many kinds (UnpicklingError, EOFError, RuntimeError, ...)
-        if out_of_memory(e):
-            size = os.path.getsize(path) / 2 ** 30
-            raise SystemExit(f"not enough memory to read the checkpoint {path} ({size:.1f} GiB, the optimizer "
-                             "state included): free memory, or load it on a machine with more") from None
+        asked = re.search(r'allocate (\d+) bytes', str(e))  # the CPU allocator's words
+        size = os.path.getsize(path)
+        if out_of_memory(e) and (asked is None or int(asked[1]) <= size):  # more than the file holds: corrupt
+            raise SystemExit(f"not enough memory to read the checkpoint {path} ({size / 2 ** 30:.1f} GiB): "
+                             "free memory, or load it on a machine with more") from None
         # a global the safe loader does not run (torch 2.6 made weights_only the default): a whole file that
         # something else wrote, e.g. with a numpy scalar in its config (torch names it; its wording varies)
         if (found := re.search(r'GLOBAL ([\w.]+) was not an allowed global', str(e))) is not None:

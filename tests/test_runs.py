@@ -684,12 +684,16 @@ def test_one_checkpoint_loader_with_one_line_errors(tmp_path, content, message):
 @pytest.mark.parametrize('error, message', [
     (PermissionError(errno.EACCES, 'Permission denied'), 'cannot read the checkpoint {}: Permission denied$'),
     (OSError(errno.EIO, 'Input/output error'), 'cannot read the checkpoint {}: Input/output error$'),
+    (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 100 bytes. Error code 12"),
+     r'not enough memory to read the checkpoint {} \(0.0 GiB\): free memory, or load it on a machine with more$'),
+    # a storage larger than the whole file can only be a damaged size field: corrupt, not short of memory
     (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8589934592 bytes."),
-     r'not enough memory to read the checkpoint {} \(0.0 GiB, the optimizer state included\): free memory'),
-], ids=['permissions', 'disk', 'memory'])
+     r'{} is not a readable checkpoint \(truncated or corrupt\)'),
+], ids=['permissions', 'disk', 'memory', 'corrupt size'])
 def test_a_whole_checkpoint_that_cannot_be_read_is_not_called_corrupt(tmp_path, monkeypatch, error, message):
     """A good file read by another user, from a failing disk or into too little memory was called
-    "truncated or corrupt; use another copy or retrain": a user could delete a good run."""
+    "truncated or corrupt; use another copy or retrain": a user could delete a good run. An allocation
+    larger than the whole file is still a corrupt one."""
     path = tmp_path / 'ckpt.pt'
     torch.save({'model': {}, 'model_args': {}}, path)
 
