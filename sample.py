@@ -94,7 +94,9 @@ def main(argv):
         print(f"warning: {unk_rate:.0%} of the prompt's {len(prompt)} tokens are outside the checkpoint's "
               f"vocabulary and reach the model as <unk>", file=sys.stderr)
     if not prompt:
-        raise SystemExit("the prompt is empty: give at least one character with --start")
+        raise SystemExit(f"the prompt file {cfg.start[len('FILE:'):]} holds no text (its final line ending is "
+                         "dropped): write the prompt into it" if cfg.start.startswith('FILE:') else
+                         "the prompt is empty: give at least one character with --start")
     block_size = ck['model_args']['block_size']
     if len(prompt) >= block_size:
         raise SystemExit(f"the prompt is {len(prompt)} tokens; the checkpoint's context of {block_size} "

@@ -569,6 +569,17 @@ def test_sample_errors_name_the_fix(trained, tmp_path):
         sample.main([f'--ckpt={toy}'])
 
 
+def test_an_empty_prompt_is_one_line_naming_where_it_came_from(trained, tmp_path):
+    with pytest.raises(SystemExit, match='^the prompt is empty: give at least one character with --start$'):
+        sample.main([f'--ckpt={trained}', '--start='])
+    prompt = tmp_path / 'prompt.txt'
+    for content in ('', '\n'):  # a file copying the default --start='\n' is empty once its line ending goes
+        prompt.write_text(content)
+        with pytest.raises(SystemExit, match=f'^the prompt file {prompt} holds no text \\(its final line ending is '
+                                             'dropped\\): write the prompt into it$'):
+            sample.main([f'--ckpt={trained}', f'--start=FILE:{prompt}'])
+
+
 def test_a_prompt_file_that_is_not_utf8_is_one_line_naming_the_conversion(tmp_path):
     prompt = tmp_path / 'prompt.txt'
     prompt.write_bytes('Once upon a time, Zoë and Ann'.encode('latin-1'))
