@@ -82,12 +82,14 @@ def resume_config(argv, out_dir, defaults, choices, validate, free, shape=()):
 
 # ---- the dataset ----------------------------------------------------------------------------
 
-def prepare_command(dataset, data_dir='data'):
-    """The command that prepares `dataset` where train.py looks for it (data_dir/dataset: --out_dir
-    when data_dir is not the scripts' default), for error messages."""
+def prepare_command(dataset, folder=None):
+    """The command that prepares `dataset` into folder, where train.py looks for it (find_dataset's;
+    None: data/DATASET, the prepare scripts' default, which needs no --out_dir), for error messages."""
     name, ext = os.path.splitext(os.path.basename(dataset))
-    folder = os.path.normpath(os.path.join(REPO, data_dir, name if ext else dataset))  # as find_dataset joins it
-    to = '' if folder == os.path.join(REPO, 'data', name if ext else dataset) else f' --out_dir={shlex.quote(folder)}'
+    prepared = name if ext else dataset  # --dataset=austen.txt: the folder to prepare is austen, beside it
+    default = os.path.join(REPO, 'data', prepared)
+    folder = os.path.normpath(os.path.join(os.path.dirname(folder), prepared)) if folder else default
+    to = '' if folder == default else f' --out_dir={shlex.quote(folder)}'
     if ext:  # --dataset=austen.txt: a file where a dataset name belongs
         return (f"python data/text/prepare.py --name={name} --input={dataset}{to}   "
                 f"(then --dataset={name}: --dataset names a prepared folder, not a text file)")
@@ -125,8 +127,8 @@ def find_dataset(cfg, may_prepare, cpu_hint=''):
             guess = misspelled(folder)
             prepare = "otherwise prepare it first" if guess else "Prepare the dataset first"
             raise SystemExit(f"{os.path.join(folder, name)} not found. {guess}{prepare}:\n"
-                             f"    {prepare_command(cfg.dataset, cfg.data_dir)}")
-    meta = check_dataset(folder, cfg.block_size, prepare_command(cfg.dataset, cfg.data_dir))
+                             f"    {prepare_command(cfg.dataset, folder)}")
+    meta = check_dataset(folder, cfg.block_size, prepare_command(cfg.dataset, folder))
     if cfg.init_from not in ('scratch', 'resume') and compact_vocabulary(meta):
         raise SystemExit(f"init_from={cfg.init_from} reads GPT-2's own token ids, but {folder} holds a compact "
                          f"vocabulary of {meta['vocab_size']} ids: prepare it with the full GPT-2 vocabulary "

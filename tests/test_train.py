@@ -493,9 +493,13 @@ def test_a_non_finite_gradient_with_a_finite_loss_stops_and_says_which(toy_data,
 
 
 def test_missing_dataset_names_the_prepare_command_that_writes_where_train_looks(tmp_path):
-    assert runs.prepare_command('austen') == runs.prepare_command('austen', './data') == (
+    assert runs.prepare_command('austen') == runs.prepare_command('austen', f'{runs.REPO}/./data/austen') == (
         'python data/text/prepare.py --name=austen   (offline: python data/text/prepare.py --name=austen '
         '--input=PATH/TO/austen.txt)')  # the default data_dir: prepare.py's default folder
+    # --dataset=austen.txt (a file where a name belongs): the folder to prepare is austen, in the same data_dir
+    assert '--input=austen.txt   (then' in runs.prepare_command('austen.txt', f'{runs.REPO}/data/austen.txt')
+    assert f'--input=austen.txt --out_dir={tmp_path}/austen   (then' in runs.prepare_command('austen.txt',
+                                                                                           f'{tmp_path}/austen.txt')
     with pytest.raises(SystemExit) as e:  # another data_dir: the command said nothing of it, and wrote to data/austen
         train.main([f'--data_dir={tmp_path}', '--dataset=austen', '--device=cpu'])
     assert str(e.value).endswith(f'python data/text/prepare.py --name=austen --out_dir={tmp_path}/austen   (offline: '
