@@ -199,6 +199,11 @@ EMA_BEST = {('0.4M', '3M'): 1.6e-2, ('1M', '3M'): 8e-3, ('1M', '9M'): 8e-3, ('0.
 DYT_BEST = {('1M', '9M'): 4e-3, ('0.4M', '18M'): 8e-3}
 
 
+def midpoints(lr):
+    """The √2 midpoints either side of lr, to 3 digits: [5.66e-3, 1.13e-2] around 8e-3."""
+    return [float(f'{lr * f:.3g}') for f in (2 ** -0.5, 2 ** 0.5)]
+
+
 def part4_blocks(best, ema_best, dyt_best):
     """{cell name: train.py arguments} of part 4's blocks 3-6 where their rates are known (best:
     LADDER_BEST's form; ema_best, dyt_best: {(size, budget): lr} of 'ema' Internal-Taper and DyT):
@@ -208,7 +213,7 @@ def part4_blocks(best, ema_best, dyt_best):
     Internal-Taper's best rate, seeds 1-3; (6) DyT's seeds 2 and 3 at its best rate at the long
     points, and DyT at twice the paper's α₀ there ('dyt_a2', seed 1: its paper asks larger α₀ of
     narrower models). A midpoint that beats the best moves the best: seeds follow in a later run."""
-    mid = lambda lr: [float(f'{lr * f:.3g}') for f in (2 ** -0.5, 2 ** 0.5)]
+    mid = midpoints
     rates = lambda p: {**({'baseline': best[p]['baseline']} if p in best else {}),
                        **({'internal_ema': ema_best[p]} if p in ema_best else {})}
     at = point_cells
@@ -287,9 +292,12 @@ FULL_POINTS = (('1M', '18M'), ('3M', '18M'))
 FULL_LRS = {('1M', '18M'): (4e-3, 8e-3, 1.6e-2), ('3M', '18M'): (2e-3, 4e-3, 8e-3)}
 # the 3M baseline's grid ended best at its top (8e-3: 3.6663; 4e-3: 3.6670; 2e-3: 3.7122): one rate up
 FULL_EXTENDED = ladder_cells(('baseline',), '3M', '18M', (1.6e-2,))
-# seeds 2 and 3 at each bracketed best rate of part 6, entered as each grid brackets (the 3M model's
-# grids take no midpoints): the 3M baseline at 8e-3 (3.7122, 3.6670, 3.6663, 3.7441 at 2e-3-1.6e-2)
-FULL_BEST = {('3M', '18M'): {'baseline': 8e-3}}
+# seeds 2 and 3 at each bracketed best rate of part 6, entered as each grid brackets, and at the 1M model
+# the √2 midpoints beside it first (the 3M model's grids take none): the 3M baseline at 8e-3 (3.7122,
+# 3.6670, 3.6663, 3.7441 at 2e-3-1.6e-2), the 1M baseline at 8e-3 (4.0060, 3.9436, 3.9767 at 4e-3-1.6e-2)
+FULL_BEST = {('3M', '18M'): {'baseline': 8e-3}, ('1M', '18M'): {'baseline': 8e-3}}
+FULL_MIDPOINTS = {n: a for p, rates in FULL_BEST.items() if p[0] == '1M' for v, lr in rates.items()
+                  for n, a in point_cells(v, p, midpoints(lr)).items()}
 
 
 # part 6's loose ends from part 5, at EMA_POINT: seeds 2-3 of the W = 25 % pair (seed 1 tied: 4.1238 'end',
@@ -361,7 +369,7 @@ MATRICES = {
                **best_seeds({p: {'derf': lr} for p, lr in DERF_BEST.items()}),
                **warmup25_cells(),
                **{n: a for p in FULL_POINTS for n, a in full_pass_cells(p).items()}, **FULL_EXTENDED,
-               **LOOSE_ENDS, **best_seeds(FULL_BEST)},
+               **LOOSE_ENDS, **FULL_MIDPOINTS, **best_seeds(FULL_BEST)},
     # a two-cell matrix of a few seconds on the toy data of the tests
     'tiny': {f'{v}-end-s1': ['--dataset=toy', '--device=cpu', '--n_layer=1', '--n_head=1', '--n_embd=16',
                              '--block_size=16', '--batch_size=2', '--gradient_accumulation_steps=1',
@@ -1053,36 +1061,45 @@ PAPER_BAND = {'Internal-Taper': (0.7, 1.5), 'All-Taper': (0.8, 1.8)}
 
 
 def ladder_summary(cells, args):
-    """The study's answer in one table: at each model size's longest budget whose baseline grid is done
-    (its best rate not '(so far)'; a longer budget still running is reported in its part only; a size
-    with no budget done shows its longest), the baseline,
+    """The study's answer in one table: each method at each model size's longest budget where it ran
+    and whose baseline grid is done (its best rate not '(so far)'; a longer budget still running is
+    reported in its part only; a size with no budget done shows its longest), and the baseline at
+    every budget a method row of its size shows: the baseline,
     Internal-Taper (with 'ema', the default, and 'end'), All-Taper ('ema' where its cells exist,
     else 'end') and DyT (SUMMARY_VARIANTS; each row names its calibration) at their best learning
     rate (rate_label), with seeds, the final val loss (mean ± sd), the paired gap to the baseline at
     its best rate with its 95 % interval (fmt_gap), and the paper's band beside it (PAPER_BAND)."""
     best = ladder_best(cells, args)
-    longest = {}  # size -> budget: the longest whose baseline grid is done, else the longest with a baseline
-    for size, budget in sorted((p for p in best if 'baseline' in best[p]),
-                               key=lambda p: (best[p]['baseline'][2] != '(so far)', float(p[1][:-1]))):
-        longest[size] = budget
+    budgets = {}  # size -> its budgets to read, longest first: those whose baseline grid is done, else its longest
+    for size in {p[0] for p in best if 'baseline' in best[p]}:
+        ran = sorted((p[1] for p in best if p[0] == size and 'baseline' in best[p]), key=lambda b: -float(b[:-1]))
+        budgets[size] = [b for b in ran if best[size, b]['baseline'][2] != '(so far)'] or ran[:1]
+    rows = {}  # (label, keys, size) -> the budget its row reads
+    for label, keys in SUMMARY_VARIANTS[1:]:
+        for size, bs in budgets.items():
+            b = next((b for b in bs if any(k in best[size, b] for k in keys)), None)
+            if b is not None:
+                rows[label, keys, size] = b
+    for size, bs in budgets.items():  # the baseline beside every budget its size's rows read
+        rows.update({(*SUMMARY_VARIANTS[0], size, b): b for b in bs if b == bs[0] or b in
+                     {rows[k] for k in rows if k[2] == size}})
     lines = ["| variant | calibration | model size · tokens of mix7 (read once) | lr | seeds | final val loss | "
              "vs baseline, paired: mean ± sd [95 % interval] | the paper (TinyStories) |",
              "|---|---|---|---|---|---|---|---|"]
-    for label, keys in SUMMARY_VARIANTS:
-        for size in sorted(longest, key=lambda s: -float(s[:-1])):
-            point = (size, longest[size])
-            v = next((k for k in keys if k in best[point]), None)
-            if v is None:
-                continue
-            lr, by_seed, note = best[point][v]
-            done = [c['final_val_loss'] for c in by_seed.values() if c['status'] == 'finished']
-            gap = gap_text(by_seed, best[point]['baseline'][1]) if v != 'baseline' else ''
-            band = PAPER_BAND.get(label)
-            how = rate_how(note, len(rates_tried(cells, v, *point))) or 'bracketed'
-            lines.append(f"| {label} | {calibration_of(v, by_seed)} | {size} params · {point[1]} tokens | "
-                         f"{lr:g} ({how}) | {seeds(by_seed)} | "
-                         f"{fmt(mean_sd(done)) if done else 'diverged'} | {gap or '—'} | "
-                         f"{f'+{band[0]:g} to +{band[1]:g} %' if band else '—'} |")
+    order = lambda k: ([v for v in SUMMARY_VARIANTS].index(k[:2]), -float(k[2][:-1]), -float(rows[k][:-1]))
+    for key in sorted(rows, key=order):
+        label, keys, size = key[:3]
+        point = (size, rows[key])
+        v = next(k for k in keys if k in best[point])
+        lr, by_seed, note = best[point][v]
+        done = [c['final_val_loss'] for c in by_seed.values() if c['status'] == 'finished']
+        gap = gap_text(by_seed, best[point]['baseline'][1]) if v != 'baseline' else ''
+        band = PAPER_BAND.get(label)
+        how = rate_how(note, len(rates_tried(cells, v, *point))) or 'bracketed'
+        lines.append(f"| {label} | {calibration_of(v, by_seed)} | {size} params · {point[1]} tokens | "
+                     f"{lr:g} ({how}) | {seeds(by_seed)} | "
+                     f"{fmt(mean_sd(done)) if done else 'diverged'} | {gap or '—'} | "
+                     f"{f'+{band[0]:g} to +{band[1]:g} %' if band else '—'} |")
     return '\n'.join(lines)
 
 

@@ -670,12 +670,13 @@ def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_o
         | {f'{v}-3M-t9M-lr{lr}-s{s}' for v, lr in (('baseline', '0.008'), ('internal_ema', '0.004')) for s in (2, 3)}
     # part 6, one full pass: both variants on a three-rate grid (seed 1) at each size's 9M-token bests,
     # halved and doubled (1M: 8e-3 for both; 3M: 8e-3 and 4e-3, so 2e-3-8e-3 covers both); the 3M
-    # baseline one rate up, since it ended best at 8e-3, the grid's top; then seeds 2 and 3 at that
-    # best, bracketed by 1.6e-2
+    # baseline one rate up, since it ended best at 8e-3, the grid's top; then seeds 2 and 3 at each
+    # baseline's bracketed best (8e-3 at both sizes), and at the 1M model the √2 midpoints beside it
     assert full == {f'{v}-{size}-t18M-lr{lr}-s1' for v in ('baseline', 'internal_ema')
                     for size, lrs in (('1M', ('0.004', '0.008', '0.016')), ('3M', ('0.002', '0.004', '0.008')))
                     for lr in lrs} | {'baseline-3M-t18M-lr0.016-s1'} \
-        | {f'baseline-3M-t18M-lr0.008-s{s}' for s in (2, 3)}
+        | {f'baseline-{size}-t18M-lr0.008-s{s}' for size in ('1M', '3M') for s in (2, 3)} \
+        | {f'baseline-1M-t18M-lr{lr}-s1' for lr in ('0.00566', '0.0113')}
     # the longest run still fits in one pass of mix7's 18,508,995 training tokens (the refusal is train.py's)
     assert max(study.cell_config(a)['max_iters'] for a in cells.values()) * 16 <= (18_508_995 - 1) // 128
 
@@ -881,14 +882,19 @@ def test_the_summary_table_gives_each_method_at_the_longest_budget_with_its_inte
         '| All-Taper | ema | 0.4M params · 18M tokens | 0.016 (only rate run) | s1 | 4.3560 | -1.00 % (one seed: no interval) | '
         '+0.8 to +1.8 % |']  # 'ema' before 'end': 4.356 / 4.4 − 1; no DyT cells: no row
     # a longer budget whose baseline grid still has a cell to run ('(so far)') stays out of the summary while a
-    # shorter one is done; once its grid is done, it replaces the shorter one
+    # shorter one is done; once its grid is done, the methods that ran there move to it, and those that did not
+    # stay at the shorter budget, beside its baseline
     longer = {'baseline-1M-t18M-lr0.008-s1': dict(cells['baseline-1M-t9M-lr0.008-s1'], final_val_loss=3.9),
               'internal_ema-1M-t18M-lr0.008-s1': dict(cells['internal_ema-1M-t9M-lr0.008-s1'], final_val_loss=3.91)}
     args = {n: [] for n in [*cells, *longer, 'baseline-1M-t18M-lr0.004-s1']}  # the last: declared, not yet run
     assert study.ladder_summary({**cells, **longer}, args).splitlines()[2:] == rows[2:]
     del args['baseline-1M-t18M-lr0.004-s1']
-    assert '| baseline (RMSNorm) | — | 1M params · 18M tokens | 0.008 (only rate run) | s1 | 3.9000 |' in \
-        study.ladder_summary({**cells, **longer}, args)
+    assert study.ladder_summary({**cells, **longer}, args).splitlines()[2:] == [
+        '| baseline (RMSNorm) | — | 1M params · 18M tokens | 0.008 (only rate run) | s1 | 3.9000 | — | — |',
+        rows[2], rows[3],  # the 1M baseline at 9M, beside 'end' below; the 0.4M baseline
+        '| Internal-Taper | ema | 1M params · 18M tokens | 0.008 (only rate run) | s1 | 3.9100 | '
+        '+0.26 % (one seed: no interval) | +0.7 to +1.5 % |',  # 3.91 / 3.9 − 1
+        *rows[5:]]  # 'end' (1M, 9M: no 18M cell) and the 0.4M rows unchanged
 
 
 def test_the_readme_summary_regenerates_from_the_results_file(tmp_path):
