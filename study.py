@@ -24,6 +24,7 @@ there; --readme=README.md fills the README's <!-- study:ladder:summary --> block
 runs with OMP_NUM_THREADS=threads; jobs cells run at once (2 on a 2-core machine).
 """
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -470,17 +471,23 @@ class Results:
     def read(self):
         return read_results(self.path) if os.path.exists(self.path) else {'cells': {}}
 
-    def refresh(self):
-        """Re-read the file under its flock: what another driver recorded since this one read it."""
-        self.put(None, None)
-
-    def put(self, name, record):
+    @contextlib.contextmanager
+    def held(self):
+        """The file re-read into self.data under its flock (and this driver's thread lock), held for the block."""
         with self.lock, open(self.path + '.lock', 'w') as lock:
             runs.take_lock(lock, wait=True)
             self.data = self.read()
-            if name is not None:
-                self.data['cells'][name] = record
-                atomic_write_json(self.data, self.path)
+            yield
+
+    def refresh(self):
+        """What another driver recorded since this one read the file."""
+        with self.held():
+            pass
+
+    def put(self, name, record):
+        with self.held():
+            self.data['cells'][name] = record
+            atomic_write_json(self.data, self.path)
 
 
 def open_segment(out_dir):
