@@ -299,8 +299,8 @@ class KVCache(nn.Module):
 
     def update(self, input_pos, k, v):
         """input_pos: (T,) positions; k, v: (B, n_head, T, head_dim), stored in the cache's dtype
-        (under torch.autocast they arrive in bf16/fp16; without it the cast is a no-op). Returns the
-        whole caches."""
+        (a no-op cast unless the caches were set up in or out of an autocast that this forward is not
+        in). Returns the whole caches."""
         self.k_cache.index_copy_(2, input_pos, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(2, input_pos, v.to(self.v_cache.dtype))
         return self.k_cache, self.v_cache
@@ -352,8 +352,11 @@ def sample_next(logits, temperature=1.0, top_k=None, generator=None):
         return logits.argmax(dim=-1, keepdim=True)
     scaled = logits.float() / temperature
     if top_k is not None:
-        kth = torch.topk(scaled, min(top_k, scaled.size(-1))).values[:, -1:]  # a slice: no host sync
-        scaled = scaled.masked_fill(scaled < kth, float('-inf'))
+        # by index, not by the k-th value: a threshold keeps every token tied with the k-th (bf16 logits
+        # tie often), so top_k=1 would not be greedy (vllm-project/tpu-inference#3590)
+        top = torch.topk(scaled, min(top_k, scaled.size(-1))).indices
+        kept = torch.zeros_like(scaled, dtype=torch.bool).scatter_(-1, top, True)
+        scaled = scaled.masked_fill(~kept, float('-inf'))
     probs = F.softmax(scaled, dim=-1)
     overflow = ~torch.isfinite(scaled.amax(dim=-1, keepdim=True))  # (B, 1): softmax gave NaN there
     # one-hot of the argmax by scatter: F.one_hot reads its indices' range back to the host
@@ -708,19 +711,23 @@ class GPT(nn.Module):
     # ---- inference ----------------------------------------------------------------------
 
     def setup_caches(self, batch_size, max_seq_len):
-        """Allocate a static KV cache per layer, (batch_size, n_head, max_seq_len, head_dim), in the
-        weights' dtype and device, and the (max_seq_len, max_seq_len) causal mask, additive (0 / −inf)
-        in the weights' dtype: SDPA adds it as it is, where a bool mask costs every layer a `where` and
-        two `scalar_tensor`s on every step. ValueError if max_seq_len > block_size (wpe ends there)."""
+        """Allocate a static KV cache per layer, (batch_size, n_head, max_seq_len, head_dim), on the
+        weights' device, and the (max_seq_len, max_seq_len) causal mask, additive (0 / −inf): SDPA adds
+        it as it is, where a bool mask costs every layer a `where` and two `scalar_tensor`s on every
+        step. Both take the dtype attention computes in: the weights', or torch.autocast's where it is
+        on (else autocast would cast the whole caches and the mask for every layer on every step).
+        ValueError if max_seq_len > block_size (wpe ends there)."""
         cfg = self.config
         if not 1 <= max_seq_len <= cfg.block_size:
             raise ValueError(f"a KV cache of {max_seq_len} positions: the model's context "
                              f"(block_size) allows 1 to {cfg.block_size}")
         w = self.transformer.wte.weight
+        kind = w.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else w.dtype
         for block in self.transformer.h:
             block.attn.kv_cache = KVCache(batch_size, cfg.n_head, max_seq_len, cfg.n_embd // cfg.n_head,
-                                          w.dtype, w.device)
-        self.causal_mask = torch.full((max_seq_len, max_seq_len), float('-inf'), dtype=w.dtype, device=w.device).triu(1)
+                                          dtype, w.device)
+        self.causal_mask = torch.full((max_seq_len, max_seq_len), float('-inf'), dtype=dtype, device=w.device).triu(1)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
@@ -728,16 +735,23 @@ class GPT(nn.Module):
 
         The prompt is prefilled into a static KV cache of T0 + max_new_tokens positions, then one
         token is decoded per step (prefill, decode_n_tokens). temperature, top_k: see sample_next
-        (0: greedy). Raises ValueError for bad arguments (check_generate).
+        (0: greedy). Runs in eval mode and restores the mode it found: a model fresh from GPT() is in
+        train mode, where dropout would make greedy decoding random (nanoGPT#749) and a FakeLN would
+        add decode tokens to its statistics. Raises ValueError for bad arguments (check_generate).
         """
         B, T0 = idx.shape
         check_generate(T0, max_new_tokens, self.config.block_size, temperature, top_k)
         if max_new_tokens == 0:
             return idx
-        self.setup_caches(B, T0 + max_new_tokens)
-        sampling = (temperature, top_k, generator)
-        tok = prefill(self, idx, torch.arange(T0, device=idx.device), *sampling)
-        rest = decode_n_tokens(self, tok, torch.tensor([T0], device=idx.device), max_new_tokens - 1, *sampling)
+        was_training = self.training
+        self.eval()
+        try:
+            self.setup_caches(B, T0 + max_new_tokens)
+            sampling = (temperature, top_k, generator)
+            tok = prefill(self, idx, torch.arange(T0, device=idx.device), *sampling)
+            rest = decode_n_tokens(self, tok, torch.tensor([T0], device=idx.device), max_new_tokens - 1, *sampling)
+        finally:
+            self.train(was_training)
         return torch.cat([idx, tok, *rest], dim=1)
 
 

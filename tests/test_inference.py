@@ -101,6 +101,26 @@ def test_decoding_inside_autocast_matches_the_full_forward_under_it():
     tol = 2e-2 * full_logits.abs().max().item()  # bf16's rounding, on different (equal in exact math) paths
     assert_close(torch.cat(steps, dim=1).float(), full_logits[:, 4:].float(), rtol=2e-2, atol=tol)
     assert out.shape == (2, 15) and torch.equal(out[:, :5], seq[:, :5])
+    # the caches and mask take autocast's dtype: fp32 ones were cast whole, every layer, every step
+    assert model.causal_mask.dtype == torch.bfloat16
+    assert {b.attn.kv_cache.k_cache.dtype for b in model.transformer.h} == {torch.bfloat16}
+    model.setup_caches(2, 24)  # outside autocast: the weights' dtype again
+    assert model.causal_mask.dtype == model.transformer.h[0].attn.kv_cache.v_cache.dtype == torch.float32
+
+
+def test_generate_decodes_in_eval_mode_and_keeps_the_mode_it_found():
+    """A model fresh from GPT() is in train mode (nanoGPT#749): dropout made greedy decoding random."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=96, n_layer=2, n_head=2, n_embd=32, dropout=0.5))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.5)
+    prompt = torch.randint(0, 96, (4, 5), generator=torch.Generator().manual_seed(1))
+    outs = [model.generate(prompt, 20, temperature=0) for _ in range(3)]
+    assert model.training
+    assert all(torch.equal(o, greedy_full_recompute(model.eval(), prompt, 20)) for o in outs)
+    assert not model.training
 
 
 def test_prefill_and_decode_steps_advance_the_position_in_place():
@@ -273,6 +293,16 @@ def test_sampling_respects_top_k_and_greedy():
     assert torch.equal(sample_next(logits, temperature=0), torch.ones(500, 1, dtype=torch.long))
     assert torch.equal(sample_next(logits, temperature=1.0, top_k=1, generator=g), torch.ones(500, 1, dtype=torch.long))
     assert set(sample_next(logits, 1.0, top_k=100, generator=g).view(-1).tolist()) <= {0, 1, 2, 3}
+
+
+def test_top_k_keeps_k_tokens_when_logits_tie_at_the_kth():
+    """By index, not by threshold: a threshold keeps every token tied with the k-th (bf16 logits tie
+    often), and top_k=1 then drew among the tied maxima instead of being greedy."""
+    logits = torch.tensor([[2.0, 2.0, 2.0, 1.0, 2.0]], dtype=torch.bfloat16).repeat(2000, 1)
+    g = torch.Generator().manual_seed(0)
+    for top_k in (1, 2, 3):
+        picks = sample_next(logits, temperature=1.0, top_k=top_k, generator=g).view(-1)
+        assert len(set(picks.tolist())) == top_k and set(picks.tolist()) <= {0, 1, 2, 4}
 
 
 def test_a_zero_from_the_exponential_noise_never_picks_a_token_outside_top_k(monkeypatch):
