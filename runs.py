@@ -45,15 +45,16 @@ REPO = os.path.dirname(os.path.abspath(__file__))
 
 # ---- resume ---------------------------------------------------------------------------------
 
-def resume_config(argv, out_dir, defaults, choices, validate, free, shape=()):
+def resume_config(argv, out_dir, defaults, choices, validate, free, kept=()):
     """For --init_from=resume: (configuration, checkpoint). The configuration is the one stored
     in out_dir/ckpt.pt (over the script's defaults, for keys it predates), with argv's config files
     and overrides applied on top and checked by validate; keys outside `free` must keep their
     stored values, else SystemExit listing every difference; SystemExit too for a stored key the
     defaults lack (unknown_keys). An argv that sets schedule_scale is
-    resolved from the defaults, as its first run was, but for the keys `shape`, kept as stored (a run
-    from pretrained weights took them from the weights' config, which no argument gives again): the
-    command that started a run resumes it."""
+    resolved from the defaults, as its first run was (the stored step counts are scaled already), but
+    for the keys `kept`, which start from their stored values as on the plain path (the model's shape:
+    a run from pretrained weights took it from the weights' config, which no argument gives again; the
+    free keys argv leaves out, such as device): the command that started a run resumes it."""
     path = os.path.join(out_dir, 'ckpt.pt')
     if not os.path.exists(path):
         raise SystemExit(f"--init_from=resume: {path} not found; train from scratch first "
@@ -66,7 +67,7 @@ def resume_config(argv, out_dir, defaults, choices, validate, free, shape=()):
         cfg = parse_args(argv, stored, choices)
         if cfg.get('schedule_scale', 1.0) != 1.0:  # given again: it scales the step counts of the files it
             # comes with, not the stored, already scaled ones
-            cfg = parse_args(argv, {**defaults, **{k: stored[k] for k in shape}}, choices)
+            cfg = parse_args(argv, {**defaults, **{k: stored[k] for k in kept}}, choices)
         validate(cfg)
     except ConfigError as e:
         raise SystemExit(f"config error: {e}")

@@ -216,7 +216,10 @@ def run_config(argv):
     resumed one (resume_config) or one from GPT-2's weights (pretrained_config)."""
     cfg = load_config(argv)
     if cfg.init_from == 'resume':
-        return resume_config(argv, cfg.out_dir, defaults_of(globals()), CHOICES, validate, RESUME_FREE, SHAPE_KEYS)
+        # a resume that gives schedule_scale again starts from the stored shape and free keys, but for
+        # the step counts: stored scaled, they would be scaled twice
+        kept = SHAPE_KEYS + tuple(k for k in RESUME_FREE if k not in SCALED_KEYS)
+        return resume_config(argv, cfg.out_dir, defaults_of(globals()), CHOICES, validate, RESUME_FREE, kept)
     return (cfg if cfg.init_from == 'scratch' else pretrained_config(argv, cfg)), None
 
 

@@ -1088,6 +1088,14 @@ def test_schedule_scale_scales_every_step_count_once_and_a_resume_keeps_them(toy
     # (fakeln_interval, which toy_args leaves to its default 30, stored as 15, would become 8)
     assert stored['fakeln_interval'] == 15
     train.main(toy_args(toy_data, out, schedule_scale=0.5) + ['--init_from=resume'])
+    # the free keys it leaves out stay as stored, as without the scale (not train.py's defaults),
+    # and a step count left out is the default scaled once: 500 · 0.5
+    short = [a for a in toy_args(toy_data, out, schedule_scale=0.5)
+             if not a.startswith(('--device', '--log_interval', '--eval_interval'))]
+    resumed = train.run_config(short + ['--init_from=resume'])[0]
+    assert (resumed.device, resumed.log_interval, resumed.max_iters) == ('cpu', stored['log_interval'], 8)
+    assert train.eval_interval == 500 and resumed.eval_interval == 250
+    assert train.log_interval != stored['log_interval'] and train.device != 'cpu'  # else this proves nothing
     with pytest.raises(SystemExit, match=r' max_iters=4 \(stored: 8\).* would change the run') as e:
         train.main(toy_args(toy_data, out, schedule_scale=0.25) + ['--init_from=resume'])
     assert f'continue it as it was ({runs.resume_command(str(out), 1)})' in str(e.value)  # the one command, quoted
