@@ -853,3 +853,17 @@ def test_the_out_of_memory_check_works_on_torch_2_4(monkeypatch):
     cuda_oom = torch.cuda.OutOfMemoryError('CUDA out of memory.')
     monkeypatch.delattr(torch, 'OutOfMemoryError')
     assert runs.out_of_memory(cuda_oom) and not runs.out_of_memory(ValueError('something else'))
+
+
+def test_readmes_torchrun_line_keeps_the_single_gpu_tokens_per_step():
+    """batch_size and gradient_accumulation_steps count per process (nanoGPT#283): README's 8-GPU
+    line trained on 8 × the 65,536 tokens a step that the configs' budget states."""
+    readme = open(os.path.join(os.path.dirname(train.__file__), 'README.md'), encoding='utf-8').read()
+    per_step = lambda argv, world: (lambda c: c.batch_size * c.block_size * c.gradient_accumulation_steps * world)(
+        load_config(argv))
+    torchrun = [line.split('#')[0].split() for line in readme.splitlines() if line.startswith('torchrun ')]
+    assert torchrun
+    for words in torchrun:
+        world = int(next(w for w in words if w.startswith('--nproc_per_node=')).split('=')[1])
+        argv = words[words.index('train.py') + 1:]
+        assert per_step(argv, world) == per_step(argv[:1], 1) == 65536, words
