@@ -9,6 +9,7 @@ import json
 import io
 import os
 import shutil
+import re
 import ssl
 import subprocess
 import sys
@@ -919,6 +920,25 @@ def test_the_r_reader_of_the_austen_recipe_reads_a_character_vector_with_names()
     assert mix7_build.r_unserialize(data) == {"a": "Émma", "b": "Ä", "c": None}
     with pytest.raises(ValueError, match="not R's XDR"):
         mix7_build.r_unserialize(b"RDX2\n")
+
+
+def test_the_corpus_recipe_downloads_the_package_versions_its_readme_names(monkeypatch, tmp_path):
+    """Unpinned, apt took its newest candidate: a point release (linux-doc-6.12 6.12.118) changed
+    docs_linux.txt and every count measured on mix7."""
+    table = (REPO / "data" / "mix7" / "README.md").read_text()
+    named = dict(re.findall(r"\| Debian `([^`]+)` (\S+)", table))  # | ... | Debian `pkg` version ... |
+    calls = []
+
+    def run(cmd, *args, **kwargs):  # records the commands, and stops at the download
+        calls.append(cmd)
+        if cmd[:2] == ["apt-get", "download"]:
+            raise SystemExit("stopped at apt-get download")
+
+    monkeypatch.setattr(mix7_build, "run", run)
+    with pytest.raises(SystemExit, match="stopped at apt-get download"):
+        mix7_build.download(str(tmp_path / "work"))
+    packages = [a for a in calls[-1][2:] if not a.startswith(("-o", "Dir::"))]
+    assert len(named) == 6 and sorted(packages) == sorted(f"{p}={v}" for p, v in named.items())
 
 
 def test_the_corpus_recipe_offline_says_how_to_pass_local_files(monkeypatch):

