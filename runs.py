@@ -99,6 +99,10 @@ def prepare_command(dataset, folder=None):
     if dataset in ('openwebtext', 'pile'):  # streamed from the Hugging Face hub, full GPT-2 vocabulary
         return (f'python data/{dataset}/prepare.py{to}   (offline: python data/{dataset}/prepare.py '
                 f'--input=PATH/TO/{dataset}.jsonl{to})')
+    from data.mix7.build_corpora import OUT_DIR, RECIPES  # the study's corpora, from package registries
+    if dataset in RECIPES:  # a concatenation of the files would split val differently: the recipe
+        inputs = ' '.join(f'--input={OUT_DIR}/{name}' for name in RECIPES[dataset])
+        return f'python data/mix7/build_corpora.py && python data/text/prepare.py --name={dataset} {inputs}{to}'
     from data.text.prepare import PUBLIC_CORPORA  # names prepare.py can download
     local = f'python data/text/prepare.py --name={dataset} --input=PATH/TO/{dataset}.txt{to}'
     return (f'python data/text/prepare.py --name={dataset}{to}   (offline: {local})' if dataset in PUBLIC_CORPORA

@@ -887,6 +887,24 @@ def tables(cells, parts=('losses', 'scales'), args=None, everything=None):
     return '\n\n'.join(make[p]() for p in parts)
 
 
+def check_data(cells, records):
+    """SystemExit, in one message, where a cell still to run (not in records) trains on a dataset
+    that is not prepared (TinyStories excepted: train.py prepares it), with the command that
+    prepares it; else every such cell's train.py would fail, each with the same message."""
+    missing = {}
+    for name, args in cells.items():
+        cfg = cell_config(args) if name not in records else None
+        folder = cfg and os.path.join(ROOT, cfg['data_dir'], cfg['dataset'])
+        if cfg and cfg['dataset'] != 'tinystories' and not all(
+                os.path.exists(os.path.join(folder, f)) for f in ('train.bin', 'val.bin', 'meta.json')):
+            missing.setdefault(folder, []).append(name)
+    if missing:
+        raise SystemExit('\n'.join(
+            f"{len(names)} cell(s) train on {folder}, which is not prepared (no train.bin, val.bin and meta.json); "
+            f"prepare it first:\n    {runs.prepare_command(os.path.basename(folder), folder)}"
+            for folder, names in missing.items()))
+
+
 def cell_config(args):
     """A cell's whole train.py configuration as a dict: train.py's defaults, then the cell's
     config files (relative to the repository) and overrides, resolved as train.py resolves them."""
@@ -1264,6 +1282,7 @@ def main(argv):
         raise SystemExit("study.py runs cells on Linux and macOS only: it locks each cell and results.json with "
                          "fcntl, which Windows lacks (run it under WSL); --run=False prints the tables here")
     if cfg.run:
+        check_data(cells, results.data['cells'])
         with Stop() as stop, ThreadPoolExecutor(max_workers=cfg.jobs) as pool:
             status = dict(zip(cells, pool.map(lambda n: run_cell(n, cells[n], os.path.abspath(os.path.join(
                 cfg.study_dir, n)), results, cfg.threads, cfg.cpu_isa, stop), cells)))

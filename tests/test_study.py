@@ -628,6 +628,23 @@ def test_study_on_a_gpu_the_machine_lacks_is_one_line_before_any_cell(tmp_path):
     assert not (tmp_path / 'study_cuda').exists()
 
 
+def test_a_study_without_its_dataset_stops_before_any_cell_with_the_recipe(tmp_path, monkeypatch, tiny_matrix):
+    """Each cell's train.py failed on its own, all with a command that prepared mix7 from one file
+    (a different validation split from the recipe's seven, cut per file)."""
+    cells = {n: a + [f'--data_dir={tmp_path / "data"}', '--dataset=mix7'] for n, a in study.MATRICES['tiny'].items()}
+    monkeypatch.setitem(study.MATRICES, 'tiny', cells)
+    with pytest.raises(SystemExit) as e:
+        study.main(['--matrix=tiny', f'--study_dir={tmp_path / "study"}'])
+    recipe = re.search(r'python data/text/prepare.py --name=mix7 (.*?)\n```',
+                       open(os.path.join(study.ROOT, 'data', 'mix7', 'README.md')).read(), re.S).group(1)
+    inputs = recipe.replace('\\\n', ' ').split()  # the README's command, its lines joined
+    assert str(e.value) == (
+        f"{len(cells)} cell(s) train on {tmp_path}/data/mix7, which is not prepared (no train.bin, val.bin and "
+        f"meta.json); prepare it first:\n    python data/mix7/build_corpora.py && python data/text/prepare.py "
+        f"--name=mix7 {' '.join(inputs)} --out_dir={tmp_path}/data/mix7")
+    assert not any(p.name != 'results.json' for p in (tmp_path / 'study').iterdir())  # no cell started
+
+
 def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_once():
     tokens_per_step = 16 * 128  # config/cpu.py: batch 16 × context 128, one process
     cells = study.MATRICES['ladder']

@@ -56,6 +56,9 @@ EXPECTED_SHA256 = {
 }
 PREPARE = "python data/text/prepare.py --name=mix7 " + " ".join(
     f"--input=DIR/{name}" for name in EXPECTED_SHA256)
+OUT_DIR = "data/downloads/mix7"  # where the texts go, from the repository's root
+# the study's two corpora (study.py): each prepared from these files, in this order
+RECIPES = {"mix": ["austen.txt", "sotu.txt", "kjv.txt"], "mix7": list(EXPECTED_SHA256)}
 
 
 def run(cmd, what, download=False, **kwargs):
@@ -223,7 +226,7 @@ def build(name, work):
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out_dir", type=os.path.expanduser, default=os.path.join(REPO, "data", "downloads", "mix7"),
+    parser.add_argument("--out_dir", type=os.path.expanduser, default=os.path.join(REPO, OUT_DIR),
                         help="output folder (default: data/downloads/mix7/)")
     out_dir = parser.parse_args().out_dir
     os.makedirs(out_dir, exist_ok=True)
