@@ -404,6 +404,13 @@ def disk_full(error):
 NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)  # no permission, a read-only filesystem
 
 
+def stopped_by_sigint(doing, left):
+    """Say in one line on stderr what a Ctrl-C (SIGINT) stopped and what it left, and return the
+    SystemExit(130) to raise in place of the KeyboardInterrupt traceback."""
+    print(f"stopped by SIGINT {doing}: {left}", file=sys.stderr)
+    return SystemExit(130)
+
+
 @contextlib.contextmanager
 def scratch_files(out_dir, *names):
     """Create out_dir if needed and yield {name: path} of the pass-1 files NAME.gpt2.tmp in it.
@@ -429,8 +436,7 @@ def scratch_files(out_dir, *names):
         left = ("a dataset already there is whole" if os.path.exists(meta) else
                 f"{out_dir} holds no whole dataset (no meta.json): prepare it again"
                 if any(n.endswith(".bin") for n in os.listdir(out_dir)) else "no dataset was written")
-        print(f"stopped by SIGINT preparing the dataset: {left}", file=sys.stderr)
-        raise SystemExit(130) from None
+        raise stopped_by_sigint("preparing the dataset", left) from None
     except Exception as e:
         if (denied := os_error(e, NOT_WRITABLE)) is not None:
             raise SystemExit(f"cannot write in {os.path.abspath(out_dir)} ({denied.strerror}) preparing the dataset: "

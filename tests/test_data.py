@@ -256,6 +256,23 @@ def test_ctrl_c_while_preparing_is_one_line_saying_what_it_left(tmp_path, monkey
     assert sorted(os.listdir("o")) == sorted(before) if before else not os.path.exists("o")
 
 
+@pytest.mark.parametrize("script, argv, name", [("tinystories", [], "TinyStories"), ("text", ["--name=austen"], "austen")])
+def test_ctrl_c_during_a_download_is_one_line(tmp_path, monkeypatch, capsys, script, argv, name):
+    """The download runs before scratch_files: Ctrl-C there printed a KeyboardInterrupt traceback
+    (huggingface_hub#3648), in the 2 GB TinyStories download too."""
+    module = ts_prepare if script == "tinystories" else text_prepare
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "download" if script == "tinystories" else "download_corpus", interrupted)
+    with pytest.raises(SystemExit) as e:
+        module.main(argv + [f"--out_dir={tmp_path / 'o'}"])
+    assert e.value.code == 130 and capsys.readouterr().err == (
+        f"stopped by SIGINT downloading {name}: no dataset was written; the same command downloads again\n")
+    assert not (tmp_path / "o").exists()
+
+
 def test_the_encoder_workers_leave_ctrl_c_to_the_main_process():
     """The terminal sends SIGINT to every process of its group; a worker that took it printed a
     'Process ForkPoolWorker-2:' traceback of its own."""

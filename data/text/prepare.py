@@ -184,7 +184,11 @@ def main(argv=None):
         raise SystemExit(f"--name=NAME is required (a folder name, no '/'; got {args.name!r}). "
                          f"{USAGE}")
     if not args.input:
-        paths = download_corpus(args.name)
+        try:
+            paths = download_corpus(args.name)
+        except KeyboardInterrupt:  # a partial file stays under its temporary name
+            raise common.stopped_by_sigint(f"downloading {args.name}", "no dataset was written; the same command "
+                                           "downloads again") from None
         sources = [url for _, url in PUBLIC_CORPORA[args.name]]
     t0 = time.time()
     with common.scratch_files(out_dir, "train", "val") as tmp:

@@ -145,7 +145,11 @@ def main(argv=None):
         common.check_inputs(args.input, f"Pass local TinyStories files:\n{OFFLINE_HELP}")
         paths, sources = args.input, args.input
     else:
-        paths = download()
+        try:
+            paths = download()
+        except KeyboardInterrupt:  # a 2 GB download: Ctrl-C is likely here
+            raise common.stopped_by_sigint("downloading TinyStories", "no dataset was written; the same command "
+                                           "downloads again") from None
         sources = [f"{HF_URL}/blob/main/{name}" for name in HF_FILES]
     train_files = [p for p in paths if not is_validation(p)]
     val_files = [p for p in paths if is_validation(p)]
