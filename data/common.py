@@ -32,6 +32,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 from collections import deque
 from typing import NamedTuple
 
@@ -368,10 +369,20 @@ def lookup_table(gpt2_ids, unk_id):
     return lut
 
 
+def temporary_name(path):
+    """A new, empty file beside path, named RANDOM.BASENAME.tmp, for a file to be written and then
+    renamed to path: its own for each writer, where PATH.tmp was shared by two prepares into one
+    folder (four train.py runs started at once, each preparing TinyStories), and each removed or
+    replaced the file the other was writing."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix="", suffix=f".{os.path.basename(path)}.tmp")
+    os.close(fd)
+    return tmp
+
+
 def _remap(segments, lut, unk_id, out_path):
     """Pass 2: write segments mapped through lut to out_path (temporary name, then renamed).
     Returns (n_tokens, n_unk)."""
-    tmp = out_path + ".tmp"
+    tmp = temporary_name(out_path)
     n = n_unk = 0
     try:
         with open(tmp, "wb") as f:
@@ -413,7 +424,8 @@ def stopped_by_sigint(doing, left):
 
 @contextlib.contextmanager
 def scratch_files(out_dir, *names):
-    """Create out_dir if needed and yield {name: path} of the pass-1 files NAME.gpt2.tmp in it.
+    """Create out_dir if needed and yield {name: path} of the pass-1 files (RANDOM.NAME.gpt2.tmp,
+    temporary_name) in it.
 
     On exit, whether the block succeeded or raised, the pass-1 files are removed, and out_dir too
     if this call created it and it is still empty: a first run that fails (offline, a bad input)
@@ -428,8 +440,9 @@ def scratch_files(out_dir, *names):
     except OSError as e:  # a file of that name, a file above it, no permission
         what = "names a file" if os.path.exists(out_dir) else f"cannot be made ({e.strerror})"
         raise SystemExit(f"--out_dir={out_dir} {what}: pass --out_dir a folder you can write to") from None
-    paths = {name: os.path.join(out_dir, f"{name}.gpt2.tmp") for name in names}
+    paths = {}
     try:
+        paths.update((name, temporary_name(os.path.join(out_dir, f"{name}.gpt2"))) for name in names)
         yield paths
     except KeyboardInterrupt:
         meta = os.path.join(out_dir, "meta.json")
@@ -496,9 +509,10 @@ def write_dataset(out_dir, splits, vocab_size, sources, skipped_empty_docs=0):
         "sources": [str(s) for s in sources],
         "skipped_empty_docs": int(skipped_empty_docs),
     }
-    with open(meta_path + ".tmp", "w") as f:
+    tmp = temporary_name(meta_path)
+    with open(tmp, "w") as f:
         json.dump(meta, f)
-    os.replace(meta_path + ".tmp", meta_path)
+    os.replace(tmp, meta_path)
     return meta
 
 

@@ -273,6 +273,29 @@ def test_ctrl_c_during_a_download_is_one_line(tmp_path, monkeypatch, capsys, scr
     assert not (tmp_path / "o").exists()
 
 
+def test_two_prepares_into_one_folder_at_once_both_finish_whole(tmp_path, monkeypatch):
+    """With fixed scratch names (NAME.gpt2.tmp, train.bin.tmp), the second prepare wrote over and then
+    removed the files the first was writing: FileNotFoundError, or a false 'split is empty'.
+    Here a whole second prepare runs while the first is in pass 2."""
+    f = tmp_path / "in.txt"
+    f.write_text(make_corpus(300))
+    args = [f"--input={f}", "--vocab_size=64"]
+    alone = text_prepare.main(args + [f"--out_dir={tmp_path / 'alone'}"])
+    remap, nested = common._remap, []
+
+    def remap_with_a_second_prepare(*a):
+        if not nested:  # the first call, of the first prepare
+            nested.append(None)
+            nested[0] = text_prepare.main(args + [f"--out_dir={tmp_path / 'both'}"])
+        return remap(*a)
+
+    monkeypatch.setattr(common, "_remap", remap_with_a_second_prepare)
+    first = text_prepare.main(args + [f"--out_dir={tmp_path / 'both'}"])
+    assert first == nested[0] == alone and sorted(os.listdir(tmp_path / "both")) == ["meta.json", "train.bin", "val.bin"]
+    for name in ("train.bin", "val.bin"):
+        assert (tmp_path / "both" / name).read_bytes() == (tmp_path / "alone" / name).read_bytes()
+
+
 def test_the_encoder_workers_leave_ctrl_c_to_the_main_process():
     """The terminal sends SIGINT to every process of its group; a worker that took it printed a
     'Process ForkPoolWorker-2:' traceback of its own."""
