@@ -644,9 +644,18 @@ def claim_out_dir(cfg, iter_num):
             os.remove(path)
     if cfg.init_from == 'resume' and os.path.exists(log_path):
         kept = [r for r in read_log(cfg.out_dir) if r['iter'] < iter_num]  # a torn last line goes too
-        with open(log_path + '.tmp', 'w') as f:
-            f.writelines(json.dumps(r) + '\n' for r in kept)
-        os.replace(log_path + '.tmp', log_path)
+        try:
+            with open(log_path + '.tmp', 'w') as f:
+                f.writelines(json.dumps(r) + '\n' for r in kept)
+            os.replace(log_path + '.tmp', log_path)
+        except OSError as e:  # before `with run`, whose exit says this for a full disk later on
+            if os.path.exists(log_path + '.tmp'):
+                os.remove(log_path + '.tmp')
+            if (full := disk_full(e)) is None:
+                raise
+            raise SystemExit(f"a filesystem is full ({full.strerror}): the resume could not rewrite "
+                             f"{log_path}, and left the run as it was; free space there, then run the same "
+                             "command") from None
     return lock
 
 

@@ -53,6 +53,25 @@ def test_a_scratch_run_refuses_a_used_out_dir_and_overwrite_replaces_it(toy_data
     assert max(r["iter"] for r in read_log(out)) == 10
 
 
+def test_a_resume_on_a_full_disk_is_one_line_and_leaves_the_run_as_it_was(tmp_path, monkeypatch):
+    """The log's rewrite runs before `with run`, whose exit says a full disk in one line: a resume on
+    a full disk was an OSError traceback (OpenNMT-py#373), and left an empty log.jsonl.tmp."""
+    if not os.path.exists('/dev/full'):
+        pytest.skip('needs /dev/full (Linux)')
+    log = tmp_path / 'log.jsonl'
+    log.write_text(''.join(json.dumps({'iter': i, 'loss': 1.0}) + '\n' for i in range(6)))
+    before = log.read_bytes()
+    real_open = open
+    monkeypatch.setattr(runs, 'open', lambda path, mode='r', *a, **k: real_open(
+        '/dev/full' if str(path).endswith('log.jsonl.tmp') else path, mode, *a, **k), raising=False)
+    cfg = SimpleNamespace(out_dir=str(tmp_path), init_from='resume', overwrite=False)
+    with pytest.raises(SystemExit) as e:
+        runs.claim_out_dir(cfg, iter_num=4)
+    assert str(e.value) == (f"a filesystem is full (No space left on device): the resume could not rewrite {log}, "
+                            "and left the run as it was; free space there, then run the same command")
+    assert log.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ['.lock', 'log.jsonl']
+
+
 def test_a_second_process_cannot_write_into_a_run_in_progress(toy_data, tmp_path):
     out = tmp_path / 'run'
     out.mkdir()
