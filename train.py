@@ -511,6 +511,8 @@ def cpu_hint(argv, download_failed=False):
     def command(*overlays):
         added = [f for f in overlays if os.path.realpath(f) not in given]
         dropped = {'out_dir', *(k for f in added for k in assigned_keys(f))}
+        if smoke in added:  # its 150 steps: a typed step count would be scaled, not replaced (max_iters=20000 → 2000)
+            dropped |= set(SCALED_KEYS)
         if download_failed:
             dropped |= {'dataset', 'data_dir'}
         kept = [a for a in argv if a not in files and a.lstrip('-').split('=', 1)[0] not in dropped]

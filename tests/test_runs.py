@@ -587,6 +587,12 @@ def test_a_long_run_on_a_cpu_says_so_in_its_first_evaluation_with_the_cpu_sized_
     assert hint.endswith(': python train.py config/tinystories_all_taper.py config/cpu.py config/smoke.py --seed=2')
     assert train.cpu_hint(['config/tinystories_all_taper.py', 'config/cpu.py', '--dataset=kjv']).endswith(
         'config/cpu.py config/smoke.py --dataset=kjv')  # a key no added overlay sets
+    # with config/smoke.py added, typed step counts go too: smoke scales them (--max_iters=20000: 2000
+    # steps, the learning rate decayed after 150)
+    hint = train.cpu_hint(['config/tinystories_all_taper.py', 'config/cpu.py', '--max_iters=20000', '--seed=2'])
+    assert hint == '; every phase in 150 steps: python train.py config/tinystories_all_taper.py config/cpu.py ' \
+                   'config/smoke.py --seed=2'
+    assert train.load_config(hint.split(': python train.py ')[1].split()).max_iters == 150
     assert train.cpu_hint(['config/tinystories_all_taper.py', 'config/cpu.py']) == \
         '; every phase in 150 steps: python train.py config/tinystories_all_taper.py config/cpu.py config/smoke.py'
     assert train.cpu_hint(['config/tinystories_all_taper.py', 'config/cpu.py', 'config/smoke.py']) == ''
