@@ -124,6 +124,10 @@ def check_inputs(paths, fix):
     if not paths:
         raise SystemExit(f"no input files given. {fix}")
     for p in paths:
+        if os.path.exists(p) and not os.path.isfile(p):  # a folder, or a pipe: <(zcat x.gz), /dev/stdin
+            what = "a folder" if os.path.isdir(p) else "not a regular file (a pipe?)"
+            raise SystemExit(f"input {p} is {what}: prepare reads each input file more than once, so pass a "
+                             f"file (save a pipe's output to one first). {fix}")
         if not os.path.isfile(p):
             mix7 = os.path.realpath(os.path.dirname(p)) == os.path.join(os.path.realpath(DATA_DIR), "downloads", "mix7")
             made_by = " (python data/mix7/build_corpora.py downloads that folder's texts)" if mix7 else ""

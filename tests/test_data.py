@@ -464,6 +464,18 @@ def test_an_out_dir_that_is_a_file_or_cannot_be_written_is_one_line(tmp_path, mo
         text_prepare.main([f"--input={f}", f"--out_dir={tmp_path / 'out'}"])
     assert not (tmp_path / "out").exists()
 
+def test_a_pipe_or_a_folder_as_input_is_named_for_what_it_is(tmp_path):
+    """--input=<(zcat x.jsonl.gz) gives /dev/fd/N, a pipe: it was 'input file not found'."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(SystemExit, match=rf"^input {fifo} is not a regular file \(a pipe\?\): prepare reads each "
+                                         r"input file more than once, so pass a file \(save a pipe's output to "
+                                         r"one first\)\. FIX$"):
+        common.check_inputs([str(fifo)], "FIX")
+    with pytest.raises(SystemExit, match=rf"^input {tmp_path} is a folder: "):
+        common.check_inputs([str(tmp_path)], "FIX")
+
+
 def test_a_missing_mix7_text_names_the_script_that_downloads_it(tmp_path, monkeypatch):
     """mix7's texts come from data/mix7/build_corpora.py: a prepare command copied from the docs before
     running it names that script, from the repository's root; another missing file does not."""
