@@ -21,6 +21,7 @@ Every mistake ends the script with one line that names the key and the fix.
 import ast
 import builtins
 import difflib
+import math
 import os
 import sys
 import traceback
@@ -41,10 +42,13 @@ class ConfigError(ValueError):
 
 def check_at_least(cfg, low, keys):
     """A validate() step: ConfigError naming the first of keys whose value in cfg (a dict) is below
-    low, or NaN (e.g. batch_size=0: a traceback deep inside numpy or an executor otherwise)."""
+    low, or NaN (e.g. batch_size=0: a traceback deep inside numpy or an executor otherwise), or
+    infinite (--weight_decay=1e400 reads as inf: the run's loss went NaN at its first step)."""
     for key in keys:
         if not cfg[key] >= low:
             raise ConfigError(f"{key}={cfg[key]} must be >= {low}", keys=(key,))
+        if cfg[key] == math.inf:
+            raise ConfigError(f"{key}=inf must be a finite number >= {low}", keys=(key,))
 
 
 def defaults_block(module_globals):

@@ -157,6 +157,8 @@ def validate(cfg):
     if cfg['init_from'] not in ('scratch', 'resume', *GPT2_MODELS) and not os.path.isdir(cfg['init_from']):
         raise ConfigError(f"init_from={cfg['init_from']!r}: choose 'scratch', 'resume', one of {', '.join(GPT2_MODELS)} "
                           "or a folder holding a transformers GPT-2 checkpoint (config.json + weights)")
+    if not str(cfg['out_dir']).strip():  # '--out_dir=': check_writable said "cannot write in  (No such file ...)"
+        raise ConfigError("out_dir is empty: name the run's folder, e.g. --out_dir=out-mine", ('out_dir',))
     check_at_least(cfg, 1, ('batch_size', 'block_size', 'gradient_accumulation_steps', 'max_iters',
                             'eval_interval', 'eval_iters', 'log_interval', 'calib_batches'))
     if not 0 < cfg['learning_rate'] < math.inf:

@@ -144,6 +144,8 @@ def test_config_files_compose_and_overrides_win():
     (['--beta2=-0.5'], 'beta2=-0.5 must be in [0, 1)'),
     (['--schedule_scale=1e400'], 'schedule_scale=inf must be a finite number > 0'),  # an OverflowError
     (['--norm_eps=1e400'], 'norm_eps=inf must be a finite number >= 0'),  # trained to ln(V), silently
+    (['--weight_decay=1e400'], 'weight_decay=inf must be a finite number >= 0'),  # NaN from the first step
+    (['--out_dir='], "out_dir is empty: name the run's folder"),  # "cannot write in  (No such file ...)"
     (['--seed=-1'], 'seed=-1 must be in [0, 2**63): torch and numpy take no other'),  # numpy's ValueError, late
     (['max_iters=60'], "did you mean --max_iters=60?"),
     (['--out_dir=out-{tapr}'], "out_dir='out-{tapr}': placeholders must be config keys"),
