@@ -174,9 +174,20 @@ def from_pretrained(name_or_folder, overrides=None):
     tf = _transformers()
     try:
         source, kwargs = hub_source(name_or_folder)
-        hf = tf.GPT2LMHeadModel.from_pretrained(*source, **kwargs)
+        hf, info = tf.GPT2LMHeadModel.from_pretrained(*source, output_loading_info=True, **kwargs)
     except Exception as e:  # no weights, offline, corrupt files: one line
         raise load_error('load the weights', name_or_folder, e) from None
+    # transformers fills a weight the files lack with random values and only warns (transformers#13233):
+    # a folder missing a layer, or a compiled model's '_orig_mod.' keys, trained from noise. Left on the
+    # meta device: tied weights saved by safetensors' save_model (transformers#41038, 4.x)
+    mismatched = [m[0] if isinstance(m, tuple) else m for m in info.get('mismatched_keys', [])]  # 4.x: (key, shapes)
+    unloaded = [k for k in [*info.get('missing_keys', []), *mismatched]
+                if not k.endswith(('.attn.bias', '.attn.masked_bias', 'lm_head.weight'))]  # old buffers; tied
+    unloaded += [k for k, v in hf.state_dict().items() if v.is_meta and k not in unloaded]
+    if unloaded:
+        raise PretrainedError(f"{name_or_folder} lacks weights its config.json names ({len(unloaded)}: "
+                              f"{', '.join(unloaded[:3])}{', ...' if len(unloaded) > 3 else ''}), which transformers "
+                              "would fill at random: save the model with save_pretrained, or check the files")
     model = GPT(GPTConfig(**args))
     sd = {}
     for key, value in hf.state_dict().items():

@@ -503,9 +503,9 @@ def validate(cfg):
     if not cfg['fit']:
         check_out(cfg['out'])
     check_at_least(cfg, 1, ('smooth', 'shock_steps'))
-    check_at_least(cfg, 0, ('max_iter', 'ce_span'))
-    if cfg['ce_span'] == math.inf:
+    if cfg['ce_span'] == math.inf:  # before check_at_least's finite check: this one says what 0 means
         raise ConfigError("ce_span=inf: give a finite span, or 0 to show everything", ('ce_span',))
+    check_at_least(cfg, 0, ('max_iter', 'ce_span'))
 
 
 def main(argv):

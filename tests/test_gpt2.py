@@ -9,6 +9,7 @@ offline. FakeLN and the data tests need nothing beyond requirements.txt.
 import importlib.util
 import json
 import os
+import re
 import sys
 import types
 from pathlib import Path
@@ -151,6 +152,34 @@ def test_what_cannot_be_loaded_says_why(tmp_path):
         pretrained_args(str(tmp_path))
     with pytest.raises(PretrainedError, match="cannot load the weights"):  # a config without weights
         GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=10).save_pretrained(tmp_path)
+        from_pretrained(str(tmp_path))
+
+
+@needs_transformers
+@pytest.mark.parametrize('how', ['a layer left out', "a compiled model's _orig_mod. keys", 'tied, by save_model'])
+def test_a_folder_that_lacks_weights_is_refused_not_filled_at_random(tmp_path, how):
+    """transformers fills missing weights at random and only warns (transformers#13233): such a folder
+    trained from noise. safetensors' save_model keeps one of the tied pair, and transformers 4.x left
+    the other on the meta device (a 'Cannot copy out of meta tensor' traceback)."""
+    from safetensors.torch import load_file, save_file, save_model
+    hf = tiny_gpt2(tmp_path)
+    path = tmp_path / 'model.safetensors'
+    sd = load_file(path)
+    if how == 'a layer left out':
+        save_file({k: v for k, v in sd.items() if '.h.1.' not in f'.{k}'}, path, metadata={'format': 'pt'})
+        lacks = '12: transformer.h.1.attn.c_attn.bias, '
+    elif how.startswith('a compiled'):
+        save_file({f'_orig_mod.{k}': v for k, v in sd.items()}, path, metadata={'format': 'pt'})
+        lacks = '28: '  # every weight: 2 layers × 12, ln_f × 2, wte, wpe
+    else:
+        path.unlink()
+        save_model(hf, path, metadata={'format': 'pt'})
+        if 'transformer.wte.weight' in load_file(path):
+            pytest.skip('this safetensors keeps both tied names')
+        lacks = ''
+    with pytest.raises(PretrainedError, match=rf"^{re.escape(str(tmp_path))} lacks weights its config.json names "
+                                              rf"\({re.escape(lacks)}.*would fill at random: save the model with "
+                                              r"save_pretrained, or check the files$"):
         from_pretrained(str(tmp_path))
 
 
