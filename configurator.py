@@ -298,7 +298,9 @@ def run_command(main):
     that stops early (`python sample.py ... | head`) ends it quietly with status 1, as Python's
     documentation advises for EPIPE, not with a BrokenPipeError traceback. A character its stdout's
     encoding lacks (λ, γ̃, Δ, generated text: a file on Windows is cp1252) is written as an escape
-    such as \\u03bb, as stderr does by default, not raised as a UnicodeEncodeError mid-run."""
+    such as \\u03bb, as stderr does by default, not raised as a UnicodeEncodeError mid-run. Ctrl-C
+    that reaches it (outside a training run, which handles its own signals: a GPT-2 download,
+    sampling, a benchmark) is one line and status 130, not a KeyboardInterrupt traceback."""
     if hasattr(sys.stdout, 'reconfigure'):  # a TextIOWrapper (a StringIO put in its place has none)
         sys.stdout.reconfigure(errors='backslashreplace')
     try:
@@ -307,6 +309,9 @@ def run_command(main):
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's own flush at exit
         raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        print("stopped by SIGINT (Ctrl-C)", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 # what inductor, torch.compile's default backend, builds its kernels with on each kind of device

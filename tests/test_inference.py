@@ -4,6 +4,7 @@ import ast
 import copy
 import errno
 import os
+import signal
 import subprocess
 import json
 import sys
@@ -580,6 +581,18 @@ def test_samples_piped_into_a_reader_that_stops_early_end_quietly(trained):
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 1 and err == ''
+
+
+def test_ctrl_c_outside_a_training_run_is_one_line(trained):
+    """A KeyboardInterrupt reaching configurator.run_command (here mid-sampling; a GPT-2 download too,
+    huggingface_hub#3648) printed a traceback: one line now, status 130 as for SIGINT."""
+    proc = subprocess.Popen([sys.executable, 'sample.py', f'--ckpt={trained}', '--num_samples=1000',
+                             '--max_new_tokens=30', '--device=cpu'], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    proc.stdout.readline()  # sampling has begun
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.decode() == 'stopped by SIGINT (Ctrl-C)\n'
 
 
 def test_sample_errors_name_the_fix(trained, tmp_path):
