@@ -35,10 +35,18 @@ def _first_line(e):
 def hub_source(name_or_folder):
     """transformers' from_pretrained arguments for a GPT2_MODELS name or a folder: the hub name, read
     from the local cache alone when the hub does not answer (data.common.hub_offline: one probe, where
-    huggingface_hub would retry five times over ~25 s before failing), or the folder as it is."""
+    huggingface_hub would retry five times over ~25 s before failing), there under the bare name
+    ('gpt2') where only that one is cached; or the folder as it is."""
     if name_or_folder not in GPT2_HUB:
         return (name_or_folder,), {}
-    return (GPT2_HUB[name_or_folder],), {'local_files_only': hub_offline()}
+    if not hub_offline():
+        return (GPT2_HUB[name_or_folder],), {'local_files_only': False}
+    # the cache keeps a model under the name it was asked by: nanoGPT's from_pretrained('gpt2') filled
+    # models--gpt2, which a request for openai-community/gpt2 never reads (h2oai/h2ogpt#755)
+    from huggingface_hub import try_to_load_from_cache  # transformers brings it
+    cached = [repo for repo in (GPT2_HUB[name_or_folder], name_or_folder)
+              if isinstance(try_to_load_from_cache(repo, 'config.json'), str)]
+    return (cached[0] if cached else GPT2_HUB[name_or_folder],), {'local_files_only': True}
 
 
 def _transformers():

@@ -211,6 +211,28 @@ def test_a_gpt2_name_that_cannot_be_read_offline_says_how_to_train_from_a_folder
     assert asked[-1] == ((str(tmp_path),), {})  # a folder: read as it is, no probe of the hub
 
 
+@needs_transformers
+def test_offline_a_gpt2_cached_under_its_bare_name_loads(monkeypatch, tmp_path):
+    """nanoGPT's from_pretrained('gpt2') caches it as models--gpt2; offline we asked only for
+    openai-community/gpt2, and failed with the weights on disk (HPC nodes without a network)."""
+    import gpt2
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, 'HF_HUB_CACHE', str(tmp_path / 'hub'))
+    monkeypatch.setattr(gpt2, 'hub_offline', lambda: True)
+    assert gpt2.hub_source('gpt2') == (('openai-community/gpt2',), {'local_files_only': True})  # nothing cached
+    snapshot = tmp_path / 'hub' / 'models--gpt2' / 'snapshots' / ('0' * 40)  # the cache's layout, by hand
+    tiny_gpt2(snapshot)
+    (tmp_path / 'hub' / 'models--gpt2' / 'refs').mkdir()
+    (tmp_path / 'hub' / 'models--gpt2' / 'refs' / 'main').write_text('0' * 40)
+    assert gpt2.hub_source('gpt2') == (('gpt2',), {'local_files_only': True})
+    import transformers  # what it is asked for: transformers reads its cache folder as it was at import
+    asked = []
+    monkeypatch.setattr(transformers.AutoConfig, 'from_pretrained',
+                        lambda *a, **k: asked.append((a, k)) or transformers.AutoConfig.for_model('gpt2', n_embd=32, n_head=2))
+    assert pretrained_args('gpt2')['n_embd'] == 32 and asked == [(('gpt2',), {'local_files_only': True})]
+    assert gpt2.hub_source('folder/x') == (('folder/x',), {})
+
+
 def test_without_transformers_the_error_says_pip_install_transformers(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, 'transformers', None)  # not installed: import fails
     (tmp_path / 'config.json').write_text('{}')
