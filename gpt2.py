@@ -112,8 +112,11 @@ def pretrained_args(name_or_folder, overrides=None):
             raise PretrainedError(f"block_size={value} exceeds {name_or_folder}'s context n_positions={context}; "
                                   f"use at most {context} (a smaller one crops the position embedding)")
         if key in PRETRAINED_SHAPE and value != args[key]:
-            fix = ("prepare the dataset with the full GPT-2 vocabulary (--vocab_size=0)" if key == 'vocab_size'
-                   else f"leave {key} out to take it from the pretrained model")
+            fix = (f"leave {key} out to take it from the pretrained model" if key != 'vocab_size' else
+                   "prepare the dataset with the full GPT-2 vocabulary (--vocab_size=0)" if value != 50257 else
+                   # the data has GPT-2's own 50257 ids: the checkpoint's vocabulary was resized (transformers#9542)
+                   "its vocabulary is not GPT-2's (resized, e.g. an added pad token); start from a checkpoint "
+                   "with GPT-2's 50257 tokens")
             raise PretrainedError(f"{key}={value!r} contradicts {name_or_folder}'s {key}={args[key]!r}: {fix}")
         args[key] = value
     try:

@@ -135,6 +135,9 @@ def test_a_smaller_block_size_crops_the_position_embedding(gpt2_folder):
     ({'activation': 'gelu'}, "activation='gelu' contradicts .*'s activation='gelu_tanh'"),
     ({'vocab_size': 10000}, r"vocab_size=10000 contradicts .*'s vocab_size=64: prepare the dataset with the "
                             r"full GPT-2 vocabulary \(--vocab_size=0\)"),
+    # data in GPT-2's own ids against a resized vocabulary (transformers#9542): --vocab_size=0 would change nothing
+    ({'vocab_size': 50257}, r"vocab_size=50257 contradicts .*'s vocab_size=64: its vocabulary is not GPT-2's "
+                            r"\(resized, e.g. an added pad token\); start from a checkpoint with GPT-2's 50257 tokens$"),
     ({'block_size': 64}, "block_size=64 exceeds .*'s context n_positions=32; use at most 32"),
 ])
 def test_a_key_that_contradicts_the_pretrained_shape_is_refused_naming_both_values(gpt2_folder, override, message):
