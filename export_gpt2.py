@@ -3,7 +3,9 @@ Export a checkpoint whose norms still normalize as a Hugging Face transformers G
 (config.json + model.safetensors), the inverse of train.py's --init_from=FOLDER (docs/method.md §7):
 
     python export_gpt2.py --ckpt=out-gpt2-openwebtext-vanilla/ckpt.pt --out=gpt2-vanilla-owt
-    # then: GPT2LMHeadModel.from_pretrained('gpt2-vanilla-owt'), or train.py --init_from=gpt2-vanilla-owt
+    # then: GPT2LMHeadModel.from_pretrained('gpt2-vanilla-owt'), or train.py --init_from=gpt2-vanilla-owt;
+    # the folder holds no tokenizer (its ids are GPT-2's): pipeline('text-generation',
+    # model='gpt2-vanilla-owt', tokenizer='openai-community/gpt2')
 
 A baseline with LayerNorm exports, and so does a TaperNorm checkpoint from its gate warmup (or the
 taper phase's first step, at g = 1) or a FakeLN one from before its first removal; a model GPT-2
@@ -70,7 +72,8 @@ def main(argv):
                          "checkpoint's model_args") from None
     print(f"wrote {cfg.out} (transformers GPT-2: {model.config.n_layer} layers, {model.config.n_embd} wide, "
           f"vocabulary {model.config.vocab_size}, context {model.config.block_size}); loaded back, "
-          f"max |Δ logit| {diff:.3e} (max |logit| {scale:.2f})")
+          f"max |Δ logit| {diff:.3e} (max |logit| {scale:.2f}); it holds no tokenizer, GPT-2's: "
+          f"pipeline('text-generation', model={cfg.out!r}, tokenizer='openai-community/gpt2')")
     return diff
 
 
