@@ -32,7 +32,6 @@ import os
 import re
 import signal
 import sys
-import tempfile
 from collections import deque
 from typing import NamedTuple
 
@@ -126,8 +125,8 @@ def check_inputs(paths, fix):
     for p in paths:
         if os.path.exists(p) and not os.path.isfile(p):  # a folder, or a pipe: <(zcat x.gz), /dev/stdin
             what = "a folder" if os.path.isdir(p) else "not a regular file (a pipe?)"
-            raise SystemExit(f"input {p} is {what}: prepare reads each input file more than once, so pass a "
-                             f"file (save a pipe's output to one first). {fix}")
+            raise SystemExit(f"input {p} is {what}: prepare reads its inputs from files (save a pipe's output "
+                             f"to one first). {fix}")
         if not os.path.isfile(p):
             mix7 = os.path.realpath(os.path.dirname(p)) == os.path.join(os.path.realpath(DATA_DIR), "downloads", "mix7")
             made_by = " (python data/mix7/build_corpora.py downloads that folder's texts)" if mix7 else ""
@@ -374,13 +373,35 @@ def lookup_table(gpt2_ids, unk_id):
 
 
 def temporary_name(path):
-    """A new, empty file beside path, named RANDOM.BASENAME.tmp, for a file to be written and then
-    renamed to path: its own for each writer, where PATH.tmp was shared by two prepares into one
-    folder (four train.py runs started at once, each preparing TinyStories), and each removed or
-    replaced the file the other was writing."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix="", suffix=f".{os.path.basename(path)}.tmp")
-    os.close(fd)
-    return tmp
+    """A new, empty file beside path, PID-N.BASENAME.tmp, for a file to be written and then renamed to
+    path: its own for each writer, where PATH.tmp was shared by two prepares into one folder (four
+    train.py runs started at once, each preparing TinyStories), and each removed or replaced the file
+    the other was writing. Created as open() creates a file (0666 less the umask; mkstemp's 0600
+    would pass to the dataset: unreadable to anyone else)."""
+    folder, base = os.path.split(path)
+    for n in itertools.count():
+        tmp = os.path.join(folder, f"{os.getpid()}-{n}.{base}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def remove_stale_scratch(folder):
+    """Remove the PID-N.*.tmp files (temporary_name) in folder whose process is gone: a prepare
+    killed outright (kill -9, the out-of-memory killer) leaves them, gigabytes for a web corpus."""
+    if os.name == "nt":  # os.kill(pid, 0) sends CTRL_C_EVENT there
+        return
+    for name in os.listdir(folder):
+        match = re.fullmatch(r"(\d+)-\d+\..+\.tmp", name)
+        if match and int(match[1]) != os.getpid():
+            try:
+                os.kill(int(match[1]), 0)
+            except ProcessLookupError:
+                os.remove(os.path.join(folder, name))
+            except OSError:  # alive, someone else's
+                pass
 
 
 def _remap(segments, lut, unk_id, out_path):
@@ -428,8 +449,8 @@ def stopped_by_sigint(doing, left):
 
 @contextlib.contextmanager
 def scratch_files(out_dir, *names):
-    """Create out_dir if needed and yield {name: path} of the pass-1 files (RANDOM.NAME.gpt2.tmp,
-    temporary_name) in it.
+    """Create out_dir if needed and yield {name: path} of the pass-1 files (PID-N.NAME.gpt2.tmp,
+    temporary_name) in it, after removing those of a killed prepare (remove_stale_scratch).
 
     On exit, whether the block succeeded or raised, the pass-1 files are removed, and out_dir too
     if this call created it and it is still empty: a first run that fails (offline, a bad input)
@@ -446,6 +467,7 @@ def scratch_files(out_dir, *names):
         raise SystemExit(f"--out_dir={out_dir} {what}: pass --out_dir a folder you can write to") from None
     paths = {}
     try:
+        remove_stale_scratch(out_dir)
         paths.update((name, temporary_name(os.path.join(out_dir, f"{name}.gpt2"))) for name in names)
         yield paths
     except KeyboardInterrupt:

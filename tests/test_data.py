@@ -292,8 +292,29 @@ def test_two_prepares_into_one_folder_at_once_both_finish_whole(tmp_path, monkey
     monkeypatch.setattr(common, "_remap", remap_with_a_second_prepare)
     first = text_prepare.main(args + [f"--out_dir={tmp_path / 'both'}"])
     assert first == nested[0] == alone and sorted(os.listdir(tmp_path / "both")) == ["meta.json", "train.bin", "val.bin"]
-    for name in ("train.bin", "val.bin"):
+    for name in ("train.bin", "val.bin", "meta.json"):
         assert (tmp_path / "both" / name).read_bytes() == (tmp_path / "alone" / name).read_bytes()
+        # as open() makes a file: mkstemp's 0600 passed to the dataset, unreadable to anyone else
+        assert (tmp_path / "both" / name).stat().st_mode & 0o777 == 0o666 & ~current_umask()
+
+
+def current_umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_a_killed_prepares_scratch_files_go_and_a_live_ones_stay(tmp_path):
+    """temporary_name's files carry their writer's pid: kill -9 left gigabytes that no later run removed."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid no process has now (reused within this test: unlikely)
+    out = tmp_path / "o"
+    out.mkdir()
+    for name in (f"{dead.pid}-0.train.gpt2.tmp", f"{os.getppid()}-0.val.gpt2.tmp", "notes.tmp", "train.bin"):
+        (out / name).write_bytes(b"x")
+    with common.scratch_files(str(out), "train") as tmp:
+        assert os.path.basename(tmp["train"]) == f"{os.getpid()}-0.train.gpt2.tmp"
+    assert sorted(os.listdir(out)) == sorted([f"{os.getppid()}-0.val.gpt2.tmp", "notes.tmp", "train.bin"])
 
 
 def test_the_encoder_workers_leave_ctrl_c_to_the_main_process():
@@ -468,9 +489,8 @@ def test_a_pipe_or_a_folder_as_input_is_named_for_what_it_is(tmp_path):
     """--input=<(zcat x.jsonl.gz) gives /dev/fd/N, a pipe: it was 'input file not found'."""
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    with pytest.raises(SystemExit, match=rf"^input {fifo} is not a regular file \(a pipe\?\): prepare reads each "
-                                         r"input file more than once, so pass a file \(save a pipe's output to "
-                                         r"one first\)\. FIX$"):
+    with pytest.raises(SystemExit, match=rf"^input {fifo} is not a regular file \(a pipe\?\): prepare reads its "
+                                         r"inputs from files \(save a pipe's output to one first\)\. FIX$"):
         common.check_inputs([str(fifo)], "FIX")
     with pytest.raises(SystemExit, match=rf"^input {tmp_path} is a folder: "):
         common.check_inputs([str(tmp_path)], "FIX")

@@ -103,9 +103,10 @@ def download_corpus(name):
             raw = fetch(url, name).decode("utf-8-sig", errors="replace")
             text = strip_gutenberg(common.normalize_newlines(raw), url)
             os.makedirs(folder, exist_ok=True)
-            with open(path + ".tmp", "w", encoding="utf-8", newline="") as f:
+            tmp = common.temporary_name(path)
+            with open(tmp, "w", encoding="utf-8", newline="") as f:
                 f.write(text)
-            os.replace(path + ".tmp", path)
+            os.replace(tmp, path)
         paths.append(path)
     return paths
 
