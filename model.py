@@ -299,8 +299,8 @@ class KVCache(nn.Module):
 
     def update(self, input_pos, k, v):
         """input_pos: (T,) positions; k, v: (B, n_head, T, head_dim), stored in the cache's dtype
-        (a no-op cast unless the caches were set up in or out of an autocast that this forward is not
-        in). Returns the whole caches."""
+        (attention_dtype: the same as theirs when the caches were set up under this forward's autocast
+        state). Returns the whole caches."""
         self.k_cache.index_copy_(2, input_pos, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(2, input_pos, v.to(self.v_cache.dtype))
         return self.k_cache, self.v_cache
@@ -309,6 +309,17 @@ class KVCache(nn.Module):
 # ---- decoding: the one path of GPT.generate, sample.py and bench.py (as in gpt-fast) ------------
 
 FP32_MAX = torch.finfo(torch.float32).max  # logits / temperature is computed in fp32
+
+
+def attention_dtype(weight):
+    """The dtype the KV caches and the causal mask are kept in: torch.autocast's where it is on for
+    weight's device (else it would cast the whole caches and the mask, every layer, every step:
+    torchtune#398), else weight's. The forwards must run under the same autocast state as this call."""
+    kind = weight.device.type
+    try:
+        return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else weight.dtype
+    except RuntimeError:  # a device type without autocast in this torch (MPS before 2.5)
+        return weight.dtype
 
 
 def check_sampling(temperature, top_k):
@@ -711,19 +722,16 @@ class GPT(nn.Module):
     # ---- inference ----------------------------------------------------------------------
 
     def setup_caches(self, batch_size, max_seq_len):
-        """Allocate a static KV cache per layer, (batch_size, n_head, max_seq_len, head_dim), on the
-        weights' device, and the (max_seq_len, max_seq_len) causal mask, additive (0 / −inf): SDPA adds
-        it as it is, where a bool mask costs every layer a `where` and two `scalar_tensor`s on every
-        step. Both take the dtype attention computes in: the weights', or torch.autocast's where it is
-        on (else autocast would cast the whole caches and the mask for every layer on every step).
-        ValueError if max_seq_len > block_size (wpe ends there)."""
+        """Allocate a static KV cache per layer, (batch_size, n_head, max_seq_len, head_dim), and the
+        (max_seq_len, max_seq_len) causal mask, additive (0 / −inf): SDPA adds it as it is, where a bool
+        mask costs every layer a `where` and two `scalar_tensor`s a step. Both on the weights' device,
+        in attention_dtype. ValueError if max_seq_len > block_size (wpe ends there)."""
         cfg = self.config
         if not 1 <= max_seq_len <= cfg.block_size:
             raise ValueError(f"a KV cache of {max_seq_len} positions: the model's context "
                              f"(block_size) allows 1 to {cfg.block_size}")
         w = self.transformer.wte.weight
-        kind = w.device.type
-        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else w.dtype
+        dtype = attention_dtype(w)
         for block in self.transformer.h:
             block.attn.kv_cache = KVCache(batch_size, cfg.n_head, max_seq_len, cfg.n_embd // cfg.n_head,
                                           dtype, w.device)
@@ -735,9 +743,8 @@ class GPT(nn.Module):
 
         The prompt is prefilled into a static KV cache of T0 + max_new_tokens positions, then one
         token is decoded per step (prefill, decode_n_tokens). temperature, top_k: see sample_next
-        (0: greedy). Runs in eval mode and restores the mode it found: a model fresh from GPT() is in
-        train mode, where dropout would make greedy decoding random (nanoGPT#749) and a FakeLN would
-        add decode tokens to its statistics. Raises ValueError for bad arguments (check_generate).
+        (0: greedy). Runs in eval mode, then restores the mode (GPT() is in train mode, where dropout
+        made greedy decoding random: nanoGPT#749). ValueError for bad arguments (check_generate).
         """
         B, T0 = idx.shape
         check_generate(T0, max_new_tokens, self.config.block_size, temperature, top_k)

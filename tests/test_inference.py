@@ -109,6 +109,18 @@ def test_decoding_inside_autocast_matches_the_full_forward_under_it():
     assert model.causal_mask.dtype == model.transformer.h[0].attn.kv_cache.v_cache.dtype == torch.float32
 
 
+def test_a_device_without_autocast_in_this_torch_keeps_the_weights_dtype(monkeypatch):
+    """torch < 2.5 has no MPS autocast, and asking about it raises: generate failed on such a Mac."""
+    import model as model_module
+
+    def no_autocast(device_type):
+        raise RuntimeError(f"unsupported device type {device_type} for autocast")
+    monkeypatch.setattr(torch, 'is_autocast_enabled', no_autocast)
+    assert model_module.attention_dtype(torch.zeros(2, dtype=torch.float16)) == torch.float16
+    prompt = torch.zeros(1, 3, dtype=torch.long)
+    assert linear_phase().generate(prompt, 2, temperature=0).shape == (1, 5)
+
+
 def test_generate_decodes_in_eval_mode_and_keeps_the_mode_it_found():
     """A model fresh from GPT() is in train mode (nanoGPT#749): dropout made greedy decoding random."""
     torch.manual_seed(0)
