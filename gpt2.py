@@ -44,8 +44,8 @@ def hub_source(name_or_folder):
     # the cache keeps a model under the name it was asked by: nanoGPT's from_pretrained('gpt2') filled
     # models--gpt2, which a request for openai-community/gpt2 never reads (h2oai/h2ogpt#755)
     from huggingface_hub import try_to_load_from_cache  # transformers brings it
-    cached = [repo for repo in (GPT2_HUB[name_or_folder], name_or_folder)
-              if isinstance(try_to_load_from_cache(repo, 'config.json'), str)]
+    cached = [repo for repo in (GPT2_HUB[name_or_folder], name_or_folder)  # weights, not config.json alone
+              if any(isinstance(try_to_load_from_cache(repo, f), str) for f in ('model.safetensors', 'pytorch_model.bin'))]
     return (cached[0] if cached else GPT2_HUB[name_or_folder],), {'local_files_only': True}
 
 
@@ -192,8 +192,8 @@ def from_pretrained(name_or_folder, overrides=None):
     # a folder missing a layer, or a compiled model's '_orig_mod.' keys, trained from noise. Left on the
     # meta device: tied weights saved by safetensors' save_model (transformers#41038, 4.x)
     mismatched = [m[0] if isinstance(m, tuple) else m for m in info.get('mismatched_keys', [])]  # 4.x: (key, shapes)
-    unloaded = [k for k in [*info.get('missing_keys', []), *mismatched]
-                if not k.endswith(('.attn.bias', '.attn.masked_bias', 'lm_head.weight'))]  # old buffers; tied
+    unloaded = sorted(k for k in {*info.get('missing_keys', []), *mismatched}  # 5.x gives a set
+                      if not k.endswith(('.attn.bias', '.attn.masked_bias', 'lm_head.weight')))  # old buffers; tied
     unloaded += [k for k, v in hf.state_dict().items() if v.is_meta and k not in unloaded]
     if unloaded:
         raise PretrainedError(f"{name_or_folder} lacks weights its config.json names ({len(unloaded)}: "
