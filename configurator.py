@@ -40,14 +40,15 @@ class ConfigError(ValueError):
         self.keys = tuple(keys)
 
 
-def check_at_least(cfg, low, keys):
+def check_at_least(cfg, low, keys, finite=True):
     """A validate() step: ConfigError naming the first of keys whose value in cfg (a dict) is below
-    low, or NaN (e.g. batch_size=0: a traceback deep inside numpy or an executor otherwise), or
-    infinite (--weight_decay=1e400 reads as inf: the run's loss went NaN at its first step)."""
+    low, or NaN (e.g. batch_size=0: a traceback deep inside numpy or an executor otherwise), or,
+    with finite, infinite (--weight_decay=1e400 reads as inf: the run's loss went NaN at its first
+    step)."""
     for key in keys:
         if not cfg[key] >= low:
             raise ConfigError(f"{key}={cfg[key]} must be >= {low}", keys=(key,))
-        if cfg[key] == math.inf:
+        if finite and cfg[key] == math.inf:
             raise ConfigError(f"{key}=inf must be a finite number >= {low}", keys=(key,))
 
 

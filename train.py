@@ -163,7 +163,8 @@ def validate(cfg):
                             'eval_interval', 'eval_iters', 'log_interval', 'calib_batches'))
     if not 0 < cfg['learning_rate'] < math.inf:
         raise ConfigError(f"learning_rate={cfg['learning_rate']} must be a finite number > 0")
-    check_at_least(cfg, 0, ('min_lr', 'weight_decay', 'grad_clip', 'warmup_iters'))
+    check_at_least(cfg, 0, ('min_lr', 'weight_decay', 'warmup_iters'))
+    check_at_least(cfg, 0, ('grad_clip',), finite=False)  # inf clips nothing, as 0 does: a run may hold it
     if cfg['min_lr'] > cfg['learning_rate']:  # e.g. --learning_rate lowered under a config's min_lr
         raise ConfigError(f"min_lr={cfg['min_lr']:g} exceeds learning_rate={cfg['learning_rate']:g}: the cosine "
                           "decay would rise to it; set --min_lr at or below learning_rate (the configs use a tenth)",

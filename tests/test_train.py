@@ -155,6 +155,10 @@ def test_config_errors_name_the_key(args, message):
         load_config(args)
 
 
+def test_an_infinite_grad_clip_is_allowed():
+    assert load_config(['--grad_clip=1e400']).grad_clip == math.inf  # clips nothing, as 0: a stored run may hold it
+
+
 def test_a_derf_run_trains_on_the_toy_data_and_its_checkpoint_loads_as_derf(toy_data, tmp_path):
     """norm='derf' (baselines.Derf) through train.py: finite losses from the first step, a finite val
     loss, and a checkpoint that loads (runs.load_model) into the same Derf model it saved."""
