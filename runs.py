@@ -102,7 +102,9 @@ def prepare_command(dataset, folder=None):
     from data.mix7.build_corpora import OUT_DIR, RECIPES  # the study's corpora, from package registries
     if dataset in RECIPES:  # a concatenation of the files would split val differently: the recipe
         inputs = ' '.join(f'--input={OUT_DIR}/{name}' for name in RECIPES[dataset])
-        return f'python data/mix7/build_corpora.py && python data/text/prepare.py --name={dataset} {inputs}{to}'
+        held = all(os.path.isfile(os.path.join(REPO, OUT_DIR, name)) for name in RECIPES[dataset])
+        build = '' if held else 'python data/mix7/build_corpora.py && '  # it downloads them
+        return f'{build}python data/text/prepare.py --name={dataset} {inputs}{to}'
     from data.text.prepare import PUBLIC_CORPORA  # names prepare.py can download
     local = f'python data/text/prepare.py --name={dataset} --input=PATH/TO/{dataset}.txt{to}'
     return (f'python data/text/prepare.py --name={dataset}{to}   (offline: {local})' if dataset in PUBLIC_CORPORA

@@ -1013,6 +1013,17 @@ def test_the_corpus_recipe_downloads_the_package_versions_its_readme_names(monke
     assert len(named) == 6 and sorted(packages) == sorted(f"{p}={v}" for p, v in named.items())
 
 
+def test_a_pinned_version_gone_from_the_archive_says_so(monkeypatch):
+    def gone(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 100, "", "E: Version '6.12.117-1~deb12u1' for 'linux-doc-6.12' was "
+                                                         "not found")
+    monkeypatch.setattr(mix7_build.subprocess, "run", gone)
+    with pytest.raises(SystemExit, match=r"\(E: Version .* was not found\): a pinned version has left Debian's "
+                                         r"archive \(snapshot.debian.org keeps every one; .*\), or pass existing "
+                                         r"files instead: python data/text/prepare.py --name=mix7"):
+        mix7_build.run(["apt-get", "download"], "apt-get download", download=True)
+
+
 def test_the_corpus_recipe_offline_says_how_to_pass_local_files(monkeypatch):
     def offline(cmd, **kw):
         return subprocess.CompletedProcess(cmd, 100, "", "E: Failed to fetch http://deb.debian.org/... Temporary failure")

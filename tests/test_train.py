@@ -498,6 +498,17 @@ def test_a_non_finite_gradient_with_a_finite_loss_stops_and_says_which(toy_data,
         train.main(toy_args(toy_data, tmp_path / 'inf'))
 
 
+def test_the_study_corpora_are_prepared_by_their_recipe_built_only_when_missing(tmp_path, monkeypatch):
+    monkeypatch.setattr(runs, 'REPO', str(tmp_path))
+    inputs = ' '.join(f'--input=data/downloads/mix7/{n}.txt' for n in ('austen', 'sotu', 'kjv'))
+    assert runs.prepare_command('mix') == f'python data/mix7/build_corpora.py && python data/text/prepare.py ' \
+                                         f'--name=mix {inputs}'
+    (tmp_path / 'data' / 'downloads' / 'mix7').mkdir(parents=True)
+    for name in ('austen', 'sotu', 'kjv'):  # built before: no second download
+        (tmp_path / 'data' / 'downloads' / 'mix7' / f'{name}.txt').write_text('text')
+    assert runs.prepare_command('mix') == f'python data/text/prepare.py --name=mix {inputs}'
+
+
 def test_missing_dataset_names_the_prepare_command_that_writes_where_train_looks(tmp_path):
     assert runs.prepare_command('austen') == runs.prepare_command('austen', f'{runs.REPO}/./data/austen') == (
         'python data/text/prepare.py --name=austen   (offline: python data/text/prepare.py --name=austen '

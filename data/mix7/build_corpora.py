@@ -71,7 +71,10 @@ def run(cmd, what, download=False, **kwargs):
         reason = next((line for line in lines if "fail" in line.lower()), lines[-1])
     except OSError as e:  # the tool itself is missing
         reason = str(e)
-    hint = f": offline? pass existing files instead: {PREPARE}" if download else ""
+    gone = "was not found" in reason  # apt: "E: Version '...' for '...' was not found": a pin left the archive
+    hint = ("" if not download else f": a pinned version has left Debian's archive (snapshot.debian.org keeps "
+            f"every one; add it as an apt source), or pass existing files instead: {PREPARE}" if gone else
+            f": offline? pass existing files instead: {PREPARE}")
     raise SystemExit(f"cannot {what} ({reason.strip()}){hint}")
 
 
