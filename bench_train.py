@@ -44,8 +44,8 @@ import torch
 from tqdm import tqdm
 
 import train
-from benchkit import (calibrated_model, conditions, default_trials, device_name, interleaved, print_conditions,
-                      print_profile, profiled, random_tokens, with_peak)
+from benchkit import (calibrated_model, conditions, default_trials, device_name, interleaved, median_ratio_interval,
+                      print_conditions, print_profile, profiled, random_tokens, with_peak)
 from configurator import check_compiler
 from fold import tensor_bytes
 from model import GPT, PHASES, GPTConfig
@@ -198,8 +198,9 @@ class StepProgress:
             self.bar.close()
 
 
-def time_rows(rows, compiled, batches, env, trials, tokens, profile):
-    """Time every row in one mode (module docstring); returns one result dict per row, in rows' order."""
+def time_rows(rows, compiled, batches, env, trials, tokens):
+    """Time every row in one mode (module docstring); returns (one result dict per row, in rows' order,
+    {(variant, phase): its step's call} for profile_steps)."""
     runs = {(r.variant, r.phase): step_run(r, compile_model(r.model) if compiled else r.model, batches, env)
             for r in rows}
     progress = StepProgress(len(runs), WARM_UPS + trials, 'compiled' if compiled else 'eager')
@@ -213,17 +214,19 @@ def time_rows(rows, compiled, batches, env, trials, tokens, profile):
         step_s, transient = statistics.median(seconds), [b for _, b in timed[(r.variant, r.phase)]]
         results.append(dict(variant=r.variant, phase=r.phase, gate=GATES[r.phase], compiled=compiled,
                             ms_per_step=1000 * step_s, ms_range=[1000 * min(seconds), 1000 * max(seconds)],
+                            ms_per_step_trials=[1000 * t for t in seconds],  # in round order: pairs by round
                             tokens_per_s=tokens / step_s,
                             peak_mb=(resident_bytes(r) + max(transient)) / 1e6 if env.device_type == 'cuda' else None,
                             # the first step's time above the median: never below 0, which a row that
                             # reuses a graph compiled for another (the control, the baseline's) would get from noise
                             compile_s=max(0.0, warm[(r.variant, r.phase)][0][0] - step_s) if compiled else None))
-    base = next(x['ms_per_step'] for x in results if x['variant'] == 'baseline')
+    base = next(x for x in results if x['variant'] == 'baseline')
     for x in results:
-        x['vs_baseline'] = x['ms_per_step'] / base
-    if profile:
-        profile_steps(runs, compiled, env.device_type)
-    return results
+        x['vs_baseline'] = x['ms_per_step'] / base['ms_per_step']
+        if x is not base:  # the paired ratio's interval, as bench.py's decode rows (median_ratio_interval)
+            lo, hi, coverage = median_ratio_interval(x['ms_per_step_trials'], base['ms_per_step_trials'])
+            x['vs_baseline_interval'], x['vs_baseline_coverage'] = [lo, hi], coverage
+    return results, runs
 
 
 def projected_run(results, sched):
@@ -254,12 +257,16 @@ def profile_steps(runs, compiled, device_type):
 
 def print_table(results, sched, projection):
     """The table of results, then one line per mode: what a run of the schedule costs All-Taper."""
-    print(f"\n{'variant':<9} {'phase':<9} {'g':>4} {'mode':<9} {'ms/step':>9} {'tokens/s':>10} {'× baseline':>10} "
-          f"{'peak MB':>8}")
+    print(f"\n{'variant':<9} {'phase':<9} {'g':>4} {'mode':<9} {'ms/step':>9} {'tokens/s':>10} "
+          f"{'× baseline [interval]':>26} {'peak MB':>8}")
     for x in results:
         peak = '-' if x['peak_mb'] is None else f"{x['peak_mb']:.1f}"
+        interval = '[{:.3f}, {:.3f}]'.format(*x['vs_baseline_interval']) if 'vs_baseline_interval' in x else ''
         print(f"{x['variant']:<9} {x['phase']:<9} {x['gate']:>4g} {'compiled' if x['compiled'] else 'eager':<9} "
-              f"{x['ms_per_step']:>9.2f} {x['tokens_per_s']:>10,.0f} {x['vs_baseline']:>9.3f}× {peak:>8}")
+              f"{x['ms_per_step']:>9.2f} {x['tokens_per_s']:>10,.0f} {x['vs_baseline']:>9.3f}× {interval:>16} {peak:>8}")
+    coverage = {x['vs_baseline_coverage'] for x in results if 'vs_baseline_coverage' in x}
+    print(f"× baseline: the ratio of median step times; [interval]: of the per-round paired ratio, coverage "
+          f"{', '.join(f'{c:.1%}' for c in sorted(coverage))} (sign test; below 6 trials [min, max])")
     if results[0]['peak_mb'] is None:
         print("peak MB: not measured (torch keeps no peak-memory statistic off CUDA)")
     W, T, M = (sched[k] for k in SCHEDULE_KEYS)
@@ -295,7 +302,8 @@ def main(cfg, arch, flags):
     try:
         rows = build_rows(arch, cfg.seed, env)
         batches = RandomBatches(arch['vocab_size'], B, T, env.dev, cfg.seed + 3)
-        results = [x for compiled in flags for x in time_rows(rows, compiled, batches, env, cfg.trials, B * T, cfg.profile)]
+        timed = [time_rows(rows, compiled, batches, env, cfg.trials, B * T) for compiled in flags]
+        results = [x for rows_of_mode, _ in timed for x in rows_of_mode]
     except RuntimeError as e:
         if not out_of_memory(e):
             raise
@@ -309,5 +317,9 @@ def main(cfg, arch, flags):
               'config': dict(size=cfg.size, **arch, batch_size=B, dtype=env.dtype, tf32=env.tf32, trials=cfg.trials,
                              warm_ups=WARM_UPS, seed=cfg.seed, mode='train', compile=cfg.compile, schedule=sched),
               'train': results, 'projected_run': projection}
-    print(json.dumps(record))
+    print(json.dumps(record))  # before the profiles: a run cut short there (a time limit) keeps its figures
+    if cfg.profile:
+        for compiled, (_, runs) in zip(flags, timed):
+            profile_steps(runs, compiled, env.device_type)
+        print(json.dumps(record))  # again, as the last line, where readers look for it
     return record

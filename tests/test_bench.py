@@ -354,6 +354,14 @@ def test_train_mode_json_holds_every_variant_phase_and_mode(monkeypatch, capsys)
             assert {'ms_per_step', 'tokens_per_s', 'vs_baseline', 'gate', 'peak_mb'} <= set(r)
             assert r['ms_per_step'] > 0 and r['gate'] == GATE_OF[r['phase']]
             assert r['vs_baseline'] == pytest.approx(r['ms_per_step'] / base['ms_per_step'], rel=1e-12)
+            # its trials, in round order, and the paired ratio's interval (2 trials: [min, max] of the 2 ratios)
+            assert len(r['ms_per_step_trials']) == 2 and r['ms_per_step'] == pytest.approx(
+                (r['ms_per_step_trials'][0] + r['ms_per_step_trials'][1]) / 2)
+            if r is not base:
+                ratios = sorted(a / b for a, b in zip(r['ms_per_step_trials'], base['ms_per_step_trials']))
+                assert r['vs_baseline_interval'] == pytest.approx(ratios) and r['vs_baseline_coverage'] == 0.5
+            else:
+                assert 'vs_baseline_interval' not in r
             assert r['tokens_per_s'] == pytest.approx(2 * 16 * 1000 / r['ms_per_step'])  # batch 2 × 16 tokens a step
             assert r['peak_mb'] is None  # a CPU
             assert (r['compile_s'] is not None) is compiled
@@ -502,7 +510,21 @@ def test_the_profile_counts_each_rows_operators_and_the_ema_statistics_among_the
         assert float(host_ms) == pytest.approx(float(total) * (1 if unit == 'ms' else 1000), abs=0.006)
     calls = {row: int(t[2]) for row, t in zip(heads, totals)}
     assert calls['control', 'baseline'] == calls['baseline', 'baseline']
+    json_before_and_after_the_profiles(out)
     assert calls['internal', 'warmup'] > calls['baseline', 'baseline']  # + TaperNorm.observe's ops in each norm
+
+
+def json_before_and_after_the_profiles(out):
+    """The record comes before the first profile (a step cut short by .ci/gpu's time limit while profiling
+    lost every figure) and again as the last line."""
+    lines = out.strip().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith('---- profile: '))
+    assert json.loads(lines[first - 1]) == json.loads(lines[-1])
+
+
+def test_the_decode_profile_comes_after_the_record(capsys):
+    bench.main(TINY + ['--profile=True'])
+    json_before_and_after_the_profiles(capsys.readouterr().out)
 
 
 def test_no_rows_profile_is_the_profilers_first_session(monkeypatch):
@@ -691,8 +713,8 @@ def test_a_rows_compile_s_is_never_negative(monkeypatch):
     arch = dict(n_layer=1, n_embd=16, n_head=2, vocab_size=64, block_size=16)
     env = SimpleNamespace(dev='cpu', device_type='cpu')
     rows = bench_train.build_rows(arch, 1337, env)
-    results = bench_train.time_rows(rows, True, None, env, 2, 32, False)
+    results, _ = bench_train.time_rows(rows, True, None, env, 2, 32)
     compile_s = {(x['variant'], x['phase']): x['compile_s'] for x in results}
     assert compile_s.pop(('baseline', 'baseline')) == pytest.approx(1.99)
     assert set(compile_s.values()) == {0.0}
-    assert all(x['compile_s'] is None for x in bench_train.time_rows(rows, False, None, env, 2, 32, False))
+    assert all(x['compile_s'] is None for x in bench_train.time_rows(rows, False, None, env, 2, 32)[0])
