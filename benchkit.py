@@ -102,17 +102,26 @@ def profiled(run, device_type):
     return prof
 
 
+# CUDA runtime calls in which the host waits for the device: their time is the device's, not launch work
+HOST_WAITS = ('cudaDeviceSynchronize', 'cudaStreamSynchronize', 'cudaEventSynchronize')
+
+
 def profile_totals(prof):
     """{'operators': calls of torch operators (aten:: and the compiled graph's; an operator another
-    calls is counted too, as the profiler's table counts it), 'host_ms': the host events' self time,
-    'kernels': device kernels launched, 'device_ms': their time} of a finished torch.profiler run. On a
-    GPU a step whose host_ms exceeds its device_ms is launch-bound: there an extra kernel costs its
-    launch, whatever it computes."""
+    calls is counted too, as the profiler's table counts it), 'host_ms': the host events' self time
+    but for HOST_WAITS, 'wait_ms': theirs, 'kernels': device kernels launched, 'device_ms': their
+    time} of a finished torch.profiler run. On a GPU a step whose host_ms exceeds its device_ms is
+    launch-bound: there an extra kernel costs its launch, whatever it computes. The device side
+    leaves out user annotations (the compiled region's, the optimizer step's: spans over kernels
+    counted already, pytorch#130730)."""
     events = prof.events()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+               and not getattr(e, 'is_user_annotation', False)]
     host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    waits = [e for e in host if e.name in HOST_WAITS]
     return {'operators': sum(1 for e in host if e.name.startswith(('aten::', 'CompiledFunction', 'Torch-Compiled'))),
-            'host_ms': sum(e.self_cpu_time_total for e in host) / 1e3,
+            'host_ms': sum(e.self_cpu_time_total for e in host if e.name not in HOST_WAITS) / 1e3,
+            'wait_ms': sum(e.self_cpu_time_total for e in waits) / 1e3,
             'kernels': len(kernels), 'device_ms': sum(e.device_time_total for e in kernels) / 1e3}
 
 
@@ -124,8 +133,8 @@ def print_profile(prof, title, device_type, row_limit):
                                     row_limit=row_limit))
     totals = profile_totals(prof)
     print(f"one step: {totals['operators']} operator calls, {totals['host_ms']:.2f} ms of them on the host" +
-          (f"; {totals['kernels']} device kernels, {totals['device_ms']:.2f} ms on the device"
-           if device_type == 'cuda' else ''))
+          (f" (+ {totals['wait_ms']:.2f} ms waiting for the device); {totals['kernels']} device kernels, "
+           f"{totals['device_ms']:.2f} ms on the device" if device_type == 'cuda' else ''))
 
 
 def with_peak(run, device_type):

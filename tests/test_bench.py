@@ -8,6 +8,7 @@ import torch
 
 import bench
 import bench_train
+import benchkit
 import fold
 from runs import save_checkpoint
 
@@ -512,6 +513,22 @@ def test_the_profile_counts_each_rows_operators_and_the_ema_statistics_among_the
     assert calls['control', 'baseline'] == calls['baseline', 'baseline']
     json_before_and_after_the_profiles(out)
     assert calls['internal', 'warmup'] > calls['baseline', 'baseline']  # + TaperNorm.observe's ops in each norm
+
+
+def test_profile_totals_count_kernels_once_and_the_hosts_waits_apart():
+    """On CUDA a step's host events include its syncs (waits for the device, as long as the step), and
+    its device events the compiled region's and the optimizer's annotations (spans over kernels
+    counted already): both made every row read launch-bound. Stand-in events, totals by hand."""
+    from types import SimpleNamespace
+    CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    ev = lambda name, kind, us, note=False: SimpleNamespace(name=name, device_type=kind, self_cpu_time_total=us,
+                                                            device_time_total=us, is_user_annotation=note)
+    events = [ev('aten::mm', CPU, 30), ev('cudaLaunchKernel', CPU, 20), ev('cudaDeviceSynchronize', CPU, 900),
+              ev('cudaStreamSynchronize', CPU, 100), ev('Torch-Compiled Region', CPU, 10),
+              ev('sm90_gemm', CUDA, 400), ev('triton_poi_fused', CUDA, 200),
+              ev('Torch-Compiled Region', CUDA, 600, note=True), ev('Optimizer.step#AdamW.step', CUDA, 50, note=True)]
+    totals = benchkit.profile_totals(SimpleNamespace(events=lambda: events))
+    assert totals == {'operators': 2, 'host_ms': 0.06, 'wait_ms': 1.0, 'kernels': 2, 'device_ms': 0.6}
 
 
 def json_before_and_after_the_profiles(out):
