@@ -8,7 +8,9 @@ Busy rule: ratios are unreliable when the 1-minute load average, read as the ben
 exceeds half a core per thread in use (load₁ > BUSY_LOAD_PER_THREAD · torch.get_num_threads()).
 The other runnable processes then take cores from torch's threads, and contention inflates every
 small op (a norm's kernels more than a matrix product), so the ratios grow with the noise: the same
-decode bench gave 1.05× on an idle 2-core machine and 1.96× under load.
+decode bench gave 1.05× on an idle 2-core machine and 1.96× under load. A process pinned to some of
+the machine's cores (taskset) shares them with few of the others: there the rule counts every core
+of the machine in place of the threads (a pinned 1-thread run on 16 cores after boot was 'busy').
 """
 
 import math
@@ -175,7 +177,8 @@ def device_name(dev):
 
 
 def conditions():
-    """The conditions of a timing, read now: {threads: torch.get_num_threads(), cpu: cpu_model(),
+    """The conditions of a timing, read now: {threads: torch.get_num_threads(), cores: those this
+    process may run on (fewer than machine_cores: pinned, taskset), machine_cores, cpu: cpu_model(),
     cpu_capability: the ISA torch's CPU kernels dispatch to (torch.backends.cpu.get_cpu_capability():
     'AVX512', 'AVX2', 'DEFAULT', ...), load: os.getloadavg()'s 1, 5 and 15-minute averages (None where
     the OS has none), busy: the busy rule (module docstring) holds (False when load is None)}."""
@@ -183,18 +186,22 @@ def conditions():
         load = [round(x, 2) for x in os.getloadavg()]
     except (AttributeError, OSError):  # Windows has no load average
         load = None
-    threads = torch.get_num_threads()
-    return dict(threads=threads, cpu=cpu_model(), cpu_capability=torch.backends.cpu.get_cpu_capability(), load=load,
-                busy=load is not None and load[0] > BUSY_LOAD_PER_THREAD * threads)
+    threads, machine = torch.get_num_threads(), os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else machine  # < machine: pinned
+    return dict(threads=threads, cores=cores, machine_cores=machine, cpu=cpu_model(),
+                cpu_capability=torch.backends.cpu.get_cpu_capability(), load=load,
+                busy=load is not None and load[0] > BUSY_LOAD_PER_THREAD * (machine if cores < machine else threads))
 
 
 def print_conditions(c):
     """The header line of conditions() `c`, and when the machine is busy the one line saying that its
     ratios are unreliable."""
     load = 'n/a' if c['load'] is None else ' '.join(f'{x:.2f}' for x in c['load'])
-    print(f"  threads={c['threads']} cpu={c['cpu'] or '?'} isa={c['cpu_capability']} "
-          f"load average (1, 5, 15 min)={load}")
+    pinned = c['cores'] < c['machine_cores']
+    print(f"  threads={c['threads']} cores={c['cores']} of {c['machine_cores']}{' (pinned)' * pinned} "
+          f"cpu={c['cpu'] or '?'} isa={c['cpu_capability']} load average (1, 5, 15 min)={load}")
     if c['busy']:
         print(f"  warning: the machine is busy (1-minute load {c['load'][0]:.2f} > {BUSY_LOAD_PER_THREAD} × "
-              f"{c['threads']} threads): ratios are unreliable; time on an idle machine (the average trails: "
-              "a job that ended within the last minute still counts in it)")
+              f"{c['machine_cores'] if pinned else c['threads']} {'cores' if pinned else 'threads'}): ratios are "
+              "unreliable; time on an idle machine (the average trails: a job that ended within the last minute "
+              "still counts in it)")

@@ -622,6 +622,19 @@ def test_the_header_and_json_state_the_conditions_and_a_busy_machine(monkeypatch
     assert ('ratios are unreliable' in out) is busy  # load₁ > 0.5 core per thread in use
 
 
+def test_a_pinned_run_counts_the_machines_cores_in_the_busy_rule(monkeypatch, capsys):
+    """taskset -c 2 on a 16-core GPU host: 1 core, 1 thread, and a load of 1.2 just after boot was
+    'busy', though the other runnable processes have 15 other cores."""
+    monkeypatch.setattr(benchkit.os, 'sched_getaffinity', lambda pid: {2}, raising=False)
+    monkeypatch.setattr(benchkit.os, 'cpu_count', lambda: 16)
+    monkeypatch.setattr(benchkit.os, 'getloadavg', lambda: (1.2, 1.0, 0.9))
+    c = benchkit.conditions()
+    assert (c['cores'], c['machine_cores'], c['busy']) == (1, 16, False)
+    monkeypatch.setattr(benchkit.os, 'getloadavg', lambda: (8.1, 1.0, 0.9))  # > 0.5 × 16
+    benchkit.print_conditions(c := benchkit.conditions())
+    assert c['busy'] and 'cores=1 of 16 (pinned)' in capsys.readouterr().out
+
+
 def test_decode_mode_never_loads_train_py():
     """bench.py is an inference script (tests/test_inference.py): only --mode=train imports train.py."""
     import os
