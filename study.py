@@ -296,10 +296,13 @@ FULL_EXTENDED = ladder_cells(('baseline',), '3M', '18M', (1.6e-2,))
 # seeds 2 and 3 at each bracketed best rate of part 6, entered as each grid brackets, and at the 1M model
 # the √2 midpoints beside it first (the 3M model's grids take none): the 3M baseline at 8e-3 (3.7122,
 # 3.6670, 3.6663, 3.7441 at 2e-3-1.6e-2) and 'ema' at 4e-3 (3.6778, 3.6617, 3.7273 at 2e-3-8e-3), the 1M
-# baseline at 8e-3 (4.0060, 3.9436, 3.9767 at 4e-3-1.6e-2)
-FULL_BEST = {('3M', '18M'): {'baseline': 8e-3, 'internal_ema': 4e-3}, ('1M', '18M'): {'baseline': 8e-3}}
+# baseline at 8e-3 (4.0060, 3.9436, 3.9767 at 4e-3-1.6e-2) and 'ema' at 8e-3 (3.9976, 3.9454, 4.0001 at 4e-3-1.6e-2)
+FULL_BEST = {('3M', '18M'): {'baseline': 8e-3, 'internal_ema': 4e-3},
+             ('1M', '18M'): {'baseline': 8e-3, 'internal_ema': 8e-3}}
 FULL_MIDPOINTS = {n: a for p, rates in FULL_BEST.items() if p[0] == '1M' for v, lr in rates.items()
                   for n, a in point_cells(v, p, midpoints(lr)).items()}
+# and All-Taper 'ema' at the 1M model at Internal-Taper's best rate, seeds 1-3 (as part 4's block 5)
+FULL_ALL = point_cells('all_ema', ('1M', '18M'), (FULL_BEST['1M', '18M']['internal_ema'],), (1, 2, 3))
 
 
 # part 6's loose ends from part 5, at EMA_POINT: seeds 2-3 of the W = 25 % pair (seed 1 tied: 4.1238 'end',
@@ -371,7 +374,7 @@ MATRICES = {
                **best_seeds({p: {'derf': lr} for p, lr in DERF_BEST.items()}),
                **warmup25_cells(),
                **{n: a for p in FULL_POINTS for n, a in full_pass_cells(p).items()}, **FULL_EXTENDED,
-               **LOOSE_ENDS, **FULL_MIDPOINTS, **best_seeds(FULL_BEST)},
+               **LOOSE_ENDS, **FULL_MIDPOINTS, **best_seeds(FULL_BEST), **FULL_ALL},
     # a two-cell matrix of a few seconds on the toy data of the tests
     'tiny': {f'{v}-end-s1': ['--dataset=toy', '--device=cpu', '--n_layer=1', '--n_head=1', '--n_embd=16',
                              '--block_size=16', '--batch_size=2', '--gradient_accumulation_steps=1',

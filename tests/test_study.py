@@ -688,13 +688,16 @@ def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_o
     # part 6, one full pass: both variants on a three-rate grid (seed 1) at each size's 9M-token bests,
     # halved and doubled (1M: 8e-3 for both; 3M: 8e-3 and 4e-3, so 2e-3-8e-3 covers both); the 3M
     # baseline one rate up, since it ended best at 8e-3, the grid's top; then seeds 2 and 3 at each
-    # bracketed best (the baselines' 8e-3, the 3M 'ema' 4e-3), and at the 1M model the √2 midpoints beside it
+    # bracketed best (the baselines' 8e-3, the 'ema' 8e-3 at 1M and 4e-3 at 3M), and at the 1M model the √2
+    # midpoints beside them, and All-Taper 'ema' at Internal-Taper's best rate, seeds 1-3
     assert full == {f'{v}-{size}-t18M-lr{lr}-s1' for v in ('baseline', 'internal_ema')
                     for size, lrs in (('1M', ('0.004', '0.008', '0.016')), ('3M', ('0.002', '0.004', '0.008')))
                     for lr in lrs} | {'baseline-3M-t18M-lr0.016-s1'} \
-        | {f'baseline-{size}-t18M-lr0.008-s{s}' for size in ('1M', '3M') for s in (2, 3)} \
+        | {f'{v}-{size}-t18M-lr0.008-s{s}' for v, size in (('baseline', '1M'), ('baseline', '3M'),
+                                                           ('internal_ema', '1M')) for s in (2, 3)} \
         | {f'internal_ema-3M-t18M-lr0.004-s{s}' for s in (2, 3)} \
-        | {f'baseline-1M-t18M-lr{lr}-s1' for lr in ('0.00566', '0.0113')}
+        | {f'{v}-1M-t18M-lr{lr}-s1' for v in ('baseline', 'internal_ema') for lr in ('0.00566', '0.0113')} \
+        | {f'all_ema-1M-t18M-lr0.008-s{s}' for s in (1, 2, 3)}
     # the longest run still fits in one pass of mix7's 18,508,995 training tokens (the refusal is train.py's)
     assert max(study.cell_config(a)['max_iters'] for a in cells.values()) * 16 <= (18_508_995 - 1) // 128
 
