@@ -896,9 +896,11 @@ def check_data(cells, records):
     prepares it; else every such cell's train.py would fail, each with the same message."""
     missing = {}
     for name, args in cells.items():
-        cfg = cell_config(args) if name not in records else None
-        folder = cfg and os.path.join(ROOT, cfg['data_dir'], cfg['dataset'])
-        if cfg and cfg['dataset'] != 'tinystories' and not all(
+        if name in records:
+            continue
+        cfg = cell_config(args)
+        folder = os.path.join(ROOT, cfg['data_dir'], cfg['dataset'])
+        if cfg['dataset'] != 'tinystories' and not all(
                 os.path.exists(os.path.join(folder, f)) for f in ('train.bin', 'val.bin', 'meta.json')):
             missing.setdefault(folder, []).append(name)
     if missing:

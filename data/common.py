@@ -388,6 +388,19 @@ def temporary_name(path):
             continue
 
 
+@contextlib.contextmanager
+def replacing(path):
+    """Yield a temporary name beside path (temporary_name) to write the new file under: when the
+    block ends it replaces path in one rename; when it raises, it is removed and path is as it was."""
+    tmp = temporary_name(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def remove_stale_scratch(folder):
     """Remove the PID-N.*.tmp files (temporary_name) in folder whose process is gone: a prepare
     killed outright (kill -9, the out-of-memory killer) leaves them, gigabytes for a web corpus."""
@@ -407,20 +420,14 @@ def remove_stale_scratch(folder):
 def _remap(segments, lut, unk_id, out_path):
     """Pass 2: write segments mapped through lut to out_path (temporary name, then renamed).
     Returns (n_tokens, n_unk)."""
-    tmp = temporary_name(out_path)
     n = n_unk = 0
-    try:
-        with open(tmp, "wb") as f:
-            for ids in _read_chunks(segments):
-                ids = lut[ids]
-                if unk_id is not None:
-                    n_unk += int(np.count_nonzero(ids == unk_id))
-                f.write(memoryview(ids))  # as in encode_documents: a full disk is then ENOSPC
-                n += len(ids)
-        os.replace(tmp, out_path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with replacing(out_path) as tmp, open(tmp, "wb") as f:
+        for ids in _read_chunks(segments):
+            ids = lut[ids]
+            if unk_id is not None:
+                n_unk += int(np.count_nonzero(ids == unk_id))
+            f.write(memoryview(ids))  # as in encode_documents: a full disk is then ENOSPC
+            n += len(ids)
     return n, n_unk
 
 
@@ -535,10 +542,8 @@ def write_dataset(out_dir, splits, vocab_size, sources, skipped_empty_docs=0):
         "sources": [str(s) for s in sources],
         "skipped_empty_docs": int(skipped_empty_docs),
     }
-    tmp = temporary_name(meta_path)
-    with open(tmp, "w") as f:
+    with replacing(meta_path) as tmp, open(tmp, "w") as f:
         json.dump(meta, f)
-    os.replace(tmp, meta_path)
     return meta
 
 

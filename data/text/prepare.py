@@ -103,10 +103,8 @@ def download_corpus(name):
             raw = fetch(url, name).decode("utf-8-sig", errors="replace")
             text = strip_gutenberg(common.normalize_newlines(raw), url)
             os.makedirs(folder, exist_ok=True)
-            tmp = common.temporary_name(path)
-            with open(tmp, "w", encoding="utf-8", newline="") as f:
+            with common.replacing(path) as tmp, open(tmp, "w", encoding="utf-8", newline="") as f:
                 f.write(text)
-            os.replace(tmp, path)
         paths.append(path)
     return paths
 
@@ -187,7 +185,7 @@ def main(argv=None):
     if not args.input:
         try:
             paths = download_corpus(args.name)
-        except KeyboardInterrupt:  # a partial file stays under its temporary name
+        except KeyboardInterrupt:  # a partial file is removed (common.replacing)
             raise common.stopped_by_sigint(f"downloading {args.name}", "no dataset was written; the same command "
                                            "downloads again") from None
         sources = [url for _, url in PUBLIC_CORPORA[args.name]]
