@@ -643,6 +643,10 @@ def test_a_study_without_its_dataset_stops_before_any_cell_with_the_recipe(tmp_p
         f"meta.json); prepare it first:\n    python data/mix7/build_corpora.py && python data/text/prepare.py "
         f"--name=mix7 {' '.join(inputs)} --out_dir={tmp_path}/data/mix7")
     assert not any(p.name != 'results.json' for p in (tmp_path / 'study').iterdir())  # no cell started
+    first = next(iter(cells))  # a cell with a record (finished, or diverged) is not run again: not counted
+    with pytest.raises(SystemExit, match=rf"^{len(cells) - 1} cell\(s\) train on "):
+        study.check_data(cells, {first: {'status': 'finished'}})
+    study.check_data({first: cells[first]}, {first: {'status': 'finished'}})  # nothing left to run: no refusal
 
 
 def test_ladder_cells_are_named_after_their_size_budget_and_rate_and_read_mix7_once():
