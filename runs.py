@@ -15,6 +15,7 @@ import difflib
 import errno
 import functools
 import json
+import math
 import os
 import re
 import shlex
@@ -1239,21 +1240,30 @@ class Run:
                 f"iteration {resume_at}; continue with: {resume_command(self.cfg.out_dir, self.env.world)}")
         raise Stopped(exit_code(signum))
 
-    def signalled(self):
-        """Whether a signal has reached this process, or under DDP any rank: an all-reduce, made by
-        every rank at the same point, so that they all stop there or none does."""
+    def any_rank(self, flag):
+        """flag (bool), or under DDP whether any rank's is true: an all-reduce, made by every rank
+        at the same point, so that they all stop there or none does."""
         if not self.env.ddp:
-            return self.signals.received is not None
-        flag = torch.tensor([float(self.signals.received is not None)], device=self.env.dev)
+            return flag
+        flag = torch.tensor([float(flag)], device=self.env.dev)
         torch.distributed.all_reduce(flag)
         return flag.item() > 0
+
+    def signalled(self):
+        """Whether a signal has reached this process, or under DDP any rank (any_rank)."""
+        return self.any_rank(self.signals.received is not None)
 
     def evaluate(self, it, estimate):
         """When due (it a multiple of eval_interval), on rank 0: the validation loss
         estimate(first_batch) (train.estimate_val_loss, first_batch timing its first batch for
         Progress), then the checkpoint of iteration it. Returns {'val_loss': loss}, or {} when it
-        is not due, on other ranks, or when a signal cut it short (the class's contract)."""
-        if it % self.cfg.eval_interval or not self.env.master:
+        is not due, on other ranks, or when a signal cut it short (the class's contract). Stopped
+        (DIVERGED), the checkpoint not written, where the loss is not finite: the step before it
+        diverged with a finite loss and gradient norm, so the last checkpoint is the last good state."""
+        if it % self.cfg.eval_interval:
+            return {}
+        if not self.env.master:  # rank 0's verdict on the loss reaches every rank (DDP)
+            self.diverged(it, False)
             return {}
 
         def evaluation(first_batch):  # its first line inside cut_short: a signal after it cuts it short
@@ -1264,12 +1274,20 @@ class Run:
 
         val, cut = self.signals.cut_short(f'the evaluation at iteration {it}', evaluation,
                                           functools.partial(self.progress.evaluation_batch, it))
+        self.diverged(it, not cut and not math.isfinite(val))
         self.save(it)
         if cut and not self.env.ddp:
             self.stop(f'during the evaluation at iteration {it}', it, save=False)
         if cut:  # DDP: the other ranks' collectives of this iteration are met first (end_iteration)
             self.cut_at = it
         return {} if cut else {'val_loss': val}
+
+    def diverged(self, it, flag):
+        """Stopped (DIVERGED), every rank together, where flag (a non-finite validation loss at
+        iteration it) is true on any rank: nothing is saved, the last checkpoint stays."""
+        if self.any_rank(flag):
+            raise Stopped(f"{DIVERGED} at iteration {it} (the validation loss is not finite: an earlier step's "
+                          f"update diverged); stopping without saving: {self.ckpt_path} keeps the last good state")
 
     def step_took(self, it, t0, synchronize):
         """Seconds since t0 (perf_counter) of training step it, for Progress and its log record; on
@@ -1313,7 +1331,8 @@ class Run:
     def finish(self, phase, final_losses):
         """The end of the run: the checkpoint of iter_num, then final_losses() ((val, train),
         runs.final_losses) and the final record, in which the model is in `phase`. Signals: the
-        class's contract."""
+        class's contract. Stopped (DIVERGED), with no final record, where a final loss is not finite
+        (the last step's update diverged with a finite loss and gradient norm)."""
         cfg, env = self.cfg, self.env
         self.save(self.iter_num)
         if self.signalled():  # under DDP the ranks agree: the final losses are a collective
@@ -1327,6 +1346,10 @@ class Run:
                            self.signals.cut_short('the final losses', final_losses))
         if cut:
             self.stop('during the final losses', self.iter_num, save=False)
+        if not all(map(math.isfinite, losses)):  # the same on every rank: all-reduced (DDP)
+            raise Stopped(f"{DIVERGED} at iteration {self.iter_num} (final val loss {losses[0]}, final train loss "
+                          f"{losses[1]}: the last steps' updates diverged); the run is not finished, and "
+                          f"{self.ckpt_path} holds that state: train again with a lower --learning_rate")
         self.log({'iter': self.iter_num, 'phase': phase, 'final_val_loss': losses[0], 'final_train_loss': losses[1],
                   'device': env.dev, 'dtype': env.dtype, 'tf32': env.tf32})
         if env.master:

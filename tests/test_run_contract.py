@@ -6,6 +6,7 @@ collectives (the agreement after the last step, the processes' end) by recorders
 
 import errno
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -434,10 +435,29 @@ def test_every_end_under_ddp_ends_the_processes_together_once(tmp_path, capfd, c
     else:
         with pytest.raises(SystemExit):
             loop(run, at, signal.SIGINT, ddp_flag=flag if ddp else None)
+    evaluations = ['all_reduce'] * 2  # iterations 0 and 4: rank 0's verdict on each loss (finite or not)
     after_finish = ['all_reduce'] if at in (None, 'final losses') else []  # the agreement after the last step
-    assert collectives.calls == (after_finish + ['barrier', 'wait', 'destroy'] if ddp else [])
+    assert collectives.calls == (evaluations + after_finish + ['barrier', 'wait', 'destroy'] if ddp else [])
     if ddp:  # its Work outlives the group: freed by gloo's thread, it deadlocked with the group's teardown
         assert runs.FINAL_BARRIERS[-1] is collectives.work
+
+
+@pytest.mark.parametrize('rank', [0, 1, None])  # None: one process
+def test_a_non_finite_validation_loss_stops_every_rank_there_keeping_the_last_checkpoint(tmp_path, collectives, rank):
+    """Rank 0's evaluation at iteration 4 gives NaN (the step before it diverged with a finite loss):
+    rank 0 does not save, and the other rank, which evaluates nothing, stops at the same point, told
+    by the all-reduce; one process stops alike with no collective."""
+    run = make_run(tmp_path, ddp=rank is not None)
+    with pytest.raises(runs.Stopped, match=r'non-finite loss or gradient at iteration 4 \(the validation loss is not '
+                                           rf'finite.*: {re.escape(str(tmp_path))}/run/ckpt.pt keeps the last good'):
+        with run:
+            run.evaluate(0, lambda first_batch: 3.0)  # rank 0: the checkpoint of iteration 0
+            run.env.master, run.env.rank = rank in (0, None), rank or 0
+            collectives.calls.clear()
+            collectives.others = float(rank == 1)  # rank 0's flag, seen from rank 1
+            run.evaluate(4, lambda first_batch: float('nan') if rank != 1 else pytest.fail('rank 1 evaluated'))
+    assert checkpoint(tmp_path)['iter_num'] == 0
+    assert collectives.calls[:1] == (['all_reduce'] if rank is not None else [])
 
 
 def test_after_the_last_step_under_ddp_a_signal_on_another_rank_stops_this_one_too(tmp_path, capfd, collectives):

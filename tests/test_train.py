@@ -491,6 +491,31 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(toy_data, tmp_path,
     assert torch.load(out / 'ckpt.pt', weights_only=False)['iter_num'] == 4
 
 
+@pytest.mark.parametrize('last', [False, True])
+def test_an_update_that_diverges_before_an_evaluation_or_the_end_saves_nothing_and_records_no_end(
+        toy_data, tmp_path, monkeypatch, last):
+    """The step before an evaluation (iteration 8, eval_interval 4) or the last step has a finite loss
+    and gradient norm, and its update blows the weights up: the evaluation's checkpoint would have
+    replaced the last good one (iteration 4), and the final record would have said NaN and done."""
+    out, at = tmp_path / 'up', 15 if last else 7
+    real_step = train.train_step
+
+    def step_then_blow_up(train_model, raw_model, optimizer, batches, cfg, env, it, *a, **k):
+        stats = real_step(train_model, raw_model, optimizer, batches, cfg, env, it, *a, **k)
+        if it == at:
+            with torch.no_grad():
+                for p in raw_model.parameters():
+                    p.mul_(1e30)
+        return stats
+
+    monkeypatch.setattr(train, 'train_step', step_then_blow_up)
+    want = r'final val loss nan' if last else r'the validation loss is not finite'
+    with pytest.raises(runs.Stopped, match=rf'non-finite loss or gradient at iteration {at + 1} \({want}'):
+        train.main(toy_args(toy_data, out))
+    assert torch.load(out / 'ckpt.pt', weights_only=False)['iter_num'] == (16 if last else 4)
+    assert not [r for r in read_log(out) if 'final_val_loss' in r]
+
+
 def test_a_non_finite_gradient_with_a_finite_loss_stops_and_says_which(toy_data, tmp_path, monkeypatch):
     real_clip = torch.nn.utils.clip_grad_norm_
     monkeypatch.setattr(torch.nn.utils, 'clip_grad_norm_', lambda *a, **k: real_clip(*a, **k) * float('inf'))
