@@ -38,7 +38,7 @@ except ImportError:
     fcntl = None
 
 from configurator import ConfigError, parse_args, resolve_device, set_tf32
-from data.common import compact_vocabulary, disk_full
+from data.common import compact_vocabulary, disk_full, remove_stale_scratch, replacing
 from model import ABSENT_MEANS, GPT, GPTConfig, implied_phase
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -573,7 +573,8 @@ def wrap_ddp(model, env):
 
 # ---- the run folder, signals, the log ---------------------------------------------------------
 
-# the temp files a run folder's writes go through (save_checkpoint, the log cut back on resume)
+# the temp files a run folder's writes went through before each writer had its own (PID-N.NAME.tmp,
+# data.common.temporary_name): a run killed mid-write by an older version left these
 TEMP_FILES = ('ckpt.pt.tmp', 'log.jsonl.tmp')
 
 
@@ -633,7 +634,8 @@ def claim_out_dir(cfg, iter_num):
     if not take_lock(lock):
         raise SystemExit(f"{cfg.out_dir} is in use by another train.py run; wait for it to end "
                          "or choose another --out_dir")
-    for name in TEMP_FILES:  # left by a process killed while writing; the folder is this run's now
+    remove_stale_scratch(cfg.out_dir)  # a process killed while writing left its temp files; the folder is ours now
+    for name in TEMP_FILES:
         if os.path.exists(os.path.join(cfg.out_dir, name)):
             os.remove(os.path.join(cfg.out_dir, name))
     log_path = os.path.join(cfg.out_dir, 'log.jsonl')
@@ -648,12 +650,9 @@ def claim_out_dir(cfg, iter_num):
     if cfg.init_from == 'resume' and os.path.exists(log_path):
         kept = [r for r in read_log(cfg.out_dir) if r['iter'] < iter_num]  # a torn last line goes too
         try:
-            with open(log_path + '.tmp', 'w') as f:
+            with replacing(log_path) as tmp, open(tmp, 'w') as f:
                 f.writelines(json.dumps(r) + '\n' for r in kept)
-            os.replace(log_path + '.tmp', log_path)
         except OSError as e:  # before `with run`, whose exit says this for a full disk later on
-            if os.path.exists(log_path + '.tmp'):
-                os.remove(log_path + '.tmp')
             if (full := disk_full(e)) is None:
                 raise
             raise SystemExit(f"a filesystem is full ({full.strerror}): the resume could not rewrite "
@@ -947,15 +946,15 @@ def final_record(out_dir):
 # ---- checkpoints: written atomically, read by one loader -----------------------------------------
 
 def save_checkpoint(obj, path):
-    """torch.save to a temp file, fsync, then rename: a crash or Ctrl-C mid-save keeps the old file.
+    """torch.save to a temp file of this writer's own beside path (data.common.replacing), fsync, then
+    rename: a crash or Ctrl-C mid-save keeps the old file, and no other file is touched (a fixed
+    PATH.tmp was truncated and renamed away: fold.py --ckpt=x.pt.tmp --out=x.pt lost its input).
     SystemExit in one line, the old file kept, where path's filesystem is full."""
-    tmp = path + '.tmp'
     try:
-        with open(tmp, 'wb') as f:
+        with replacing(path) as tmp, open(tmp, 'wb') as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except Exception as e:
         if (cause := disk_full(e)) is None:
             raise
@@ -963,9 +962,6 @@ def save_checkpoint(obj, path):
         raise SystemExit(f"the filesystem of {folder} is full ({cause.strerror}) writing {os.path.basename(path)}: "
                          f"an atomic save needs room for two checkpoints (the old file stays whole until the new "
                          f"one is); free space there") from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 CHECKPOINT_KEYS = ('model', 'model_args')  # what every checkpoint holds; train.py's also optimizer, iter_num, config

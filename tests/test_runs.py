@@ -331,7 +331,7 @@ def test_a_signal_after_the_loop_exits_143_with_its_line(toy_data, tmp_path, mon
     assert e.value.code == 143
     del e  # its traceback holds the run's lock file open
     assert load_checkpoint(str(out / 'ckpt.pt'))['iter_num'] == 16
-    assert not (out / 'ckpt.pt.tmp').exists()
+    assert not list(out.glob('*.tmp'))
     assert not any('final_val_loss' in r for r in read_log(out))
     err = capfd.readouterr().err
     when = 'after the last iteration' if where == 'the final save' else 'during the final losses'
@@ -357,14 +357,28 @@ def test_the_resume_line_of_a_torchrun_run_is_a_torchrun_command(toy_data, tmp_p
 
 
 def test_a_run_removes_stale_temp_files_from_its_folder(toy_data, tmp_path):
-    """A process killed between writing a temp file and renaming it leaves the temp file behind;
-    the next run in that folder removes it."""
+    """A process killed between writing a temp file and renaming it leaves the temp file behind
+    (PID-N.NAME.tmp; NAME.tmp before each writer had its own); the next run in that folder removes
+    it, and leaves a live process's and a file of the user's."""
     out = tmp_path / 'run'
     train.main(toy_args(toy_data, out, max_iters=12))
-    for name in ('log.jsonl.tmp', 'ckpt.pt.tmp'):
+    dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    for name in ('log.jsonl.tmp', 'ckpt.pt.tmp', f'{dead}-0.ckpt.pt.tmp', f'{os.getppid()}-0.ckpt.pt.tmp', 'notes.tmp'):
         (out / name).write_text('left by a killed process')
     train.main(toy_args(toy_data, out, max_iters=12, overwrite=True))
-    assert not (out / 'log.jsonl.tmp').exists() and not (out / 'ckpt.pt.tmp').exists()
+    assert sorted(p.name for p in out.glob('*.tmp')) == sorted([f'{os.getppid()}-0.ckpt.pt.tmp', 'notes.tmp'])
+
+
+def test_a_checkpoint_is_written_through_a_temp_file_of_its_own(tmp_path):
+    """A file named like the old fixed temp name (PATH.tmp: the user's, or fold.py's own --ckpt)
+    is neither truncated nor renamed over path."""
+    path = tmp_path / 'x.pt'
+    (tmp_path / 'x.pt.tmp').write_bytes(b'the trained checkpoint')
+    runs.save_checkpoint({'model': {'w': torch.arange(3.)}, 'model_args': {}}, str(path))
+    assert (tmp_path / 'x.pt.tmp').read_bytes() == b'the trained checkpoint'
+    assert torch.equal(torch.load(path, weights_only=True)['model']['w'], torch.arange(3.))
+    assert sorted(os.listdir(tmp_path)) == ['x.pt', 'x.pt.tmp']
 
 
 def test_a_log_whose_last_line_was_cut_short_resumes_and_a_bad_line_before_it_is_refused(toy_data, tmp_path,
