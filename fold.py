@@ -109,7 +109,8 @@ def fold_state_dict(state_dict, model_args):
 
     state_dict: a GPT state dict in the linear phase (buffer gate = 0, calibrated);
     model_args: its GPTConfig fields. Returns (new state dict, new model_args with
-    folded=True); the inputs are not modified and the tensors keep their dtypes.
+    folded=True); the inputs are not modified, and the tensors keep their dtypes but the folded
+    ones, which are at least fp32 (a bf16 or fp16 checkpoint's folded layers are fp32).
     Raises FoldError for a model with nothing tapered, an already folded one, or one whose
     gate is not 0 (its phase and g are named); for FakeLN, one before its last event (check_fakeln).
     """
@@ -138,11 +139,14 @@ def fold_state_dict(state_dict, model_args):
         A = W.float() * a  # W · diag(c·γ̃): scales the columns
         if layernorm:  # absorb P = I − 11ᵀ/d: every row of W' sums to zero
             A = A - A.mean(dim=1, keepdim=True)
-        sd[f'{linear}.weight'] = A.to(W.dtype)  # a new tensor: a tied embedding keeps its weight
+        # a new tensor (a tied embedding keeps its weight), at least fp32: rounding W·diag(c·γ̃) back to a
+        # bf16 checkpoint's dtype put 1e-3 into the logits, where the model it loads into is fp32 anyway
+        wide = torch.promote_types(W.dtype, torch.float32)
+        sd[f'{linear}.weight'] = A.to(wide)
         if beta is not None:  # LN kind with bias: b' = b + W β̃, with the original W
             b = sd.get(f'{linear}.bias')
             shift = W.float() @ beta.float()
-            sd[f'{linear}.bias'] = (shift if b is None else b.float() + shift).to(W.dtype)
+            sd[f'{linear}.bias'] = (shift if b is None else b.float() + shift).to(wide)
         for key in NORM_KEYS:
             sd.pop(f'{norm}.{key}', None)
     return sd, dict(model_args, folded=True)

@@ -393,6 +393,24 @@ def test_unfused_and_folded_logits_equal_the_linear_phase(kind, taper):
     assert sum(isinstance(m, TaperScale) for m in model.modules()) == 4 + (taper == 'all')
 
 
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('kind', KINDS)
+def test_a_half_precision_checkpoint_folds_into_fp32_layers_with_its_logits(kind, dtype):
+    """A checkpoint cast down for size (QuaRot#8: folding into bf16 weights rounds the product): the
+    folded layers stay fp32, so the folded model gives the logits of the half-precision weights it
+    came from, which load into an fp32 model exactly; rounded back to bf16 they were 1e-3 off."""
+    model = linear_phase(kind, 'all')
+    half = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    sd, args = fold.fold_state_dict(half, vars(model.config))
+    assert {sd[f'{lin}.weight'].dtype for _, lin in fold.fold_pairs(args)} == {torch.float32}
+    x = torch.randint(0, 96, (3, 64))
+    with torch.no_grad():
+        reference, _ = fold.model_from_state_dict(half, vars(model.config))(x, x)
+        folded, _ = fold.model_from_state_dict(sd, args)(x, x)
+    scale = reference.abs().max().item()
+    assert_close(folded, reference, rtol=1e-5, atol=1e-5 * scale)
+
+
 @pytest.mark.parametrize('taper', TAPERS)
 def test_folded_model_has_no_norm_where_the_tapered_ones_were(taper):
     folded = fold.fold_model(linear_phase('layernorm', taper))
