@@ -292,7 +292,7 @@ def fit_report(results_path, variant=FIT_VARIANT, targets=FIT_TARGETS):
     def miss(measured, gap, se):  # the measured gap against the line's, in standard errors of both together
         diff, both = measured['mean'] - gap, math.hypot(measured['sd'] / math.sqrt(len(measured['gaps'])), se)
         return f"{diff:+.2f} points from the prediction" + (
-            '' if math.isnan(both) else f", {diff / both:+.1f} standard errors (the seeds' and the line's together)")
+            '' if math.isnan(both) or both == 0 else f", {diff / both:+.1f} standard errors (the seeds' and the line's together)")
     out = [f"{variant} against the RMSNorm baseline, each at its best rate, paired by seed: % gap, mean ± sd "
            f"[95 % interval]. x: tokens seen per non-embedding parameter. Lines: gap = a + b·ln(x), least "
            f"squares through the mean gaps."]

@@ -49,6 +49,7 @@ except ImportError:  # Windows: tables only (--run=False); main says so before r
 
 import runs
 from configurator import check_at_least, configure, defaults_of, parse_args, resolve_device, run_command, uses_tf32
+from data.common import replacing
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -433,12 +434,11 @@ def read_json(path):
 
 
 def atomic_write(text, path):
-    """Write text to path whole or not at all (a temp file, then a rename): a stop mid-write keeps
-    the previous file."""
-    tmp = path + '.tmp'
-    with open(tmp, 'w', encoding='utf-8') as f:
+    """Write text to path whole or not at all (a temp file of this writer's own, then a rename:
+    data.common.replacing): a stop mid-write keeps the previous file, and two drivers writing one
+    README never rename each other's half-written file into place."""
+    with replacing(path) as tmp, open(tmp, 'w', encoding='utf-8') as f:
         f.write(text)
-    os.replace(tmp, path)
 
 
 def atomic_write_json(obj, path):
@@ -497,7 +497,8 @@ def open_segment(out_dir):
     """Start the wall-time account of one train.py run of a cell in out_dir/segments.json
     ([[start, end], ...], Unix seconds). A segment left open (its driver was stopped before the run
     returned) is closed at the last write to the cell's train.out or log.jsonl, the run's last
-    output, so a resumed cell's wall time covers every segment it ran, not only its last. A cell
+    output (not before the segment began: a machine lost before the run wrote anything leaves the
+    mtimes of the run before), so a resumed cell's wall time covers every segment it ran. A cell
     resumed from a checkpoint written before this account began gets a segment [None, None]:
     unknown, and its record says so (wall_s_partial)."""
     path = os.path.join(out_dir, 'segments.json')
@@ -506,7 +507,7 @@ def open_segment(out_dir):
         segments.append([None, None])
     if segments and segments[-1][0] is not None and segments[-1][1] is None:
         outputs = [os.path.join(out_dir, f) for f in ('train.out', 'log.jsonl')]
-        segments[-1][1] = max([os.path.getmtime(f) for f in outputs if os.path.exists(f)], default=segments[-1][0])
+        segments[-1][1] = max([segments[-1][0]] + [os.path.getmtime(f) for f in outputs if os.path.exists(f)])
     segments.append([time.time(), None])
     atomic_write_json(segments, path)
 
@@ -690,7 +691,9 @@ def run_held_cell(name, args, out_dir, results, threads, isa, lock, stop):
     # a finished cell's summary is rebuilt from its log, so a new summary field reaches old cells
     old = results.data['cells'].get(name)
     if old is None or old.get('status') != 'finished':  # finished before results.json knew
-        old = dict(status=status, args=args, **provenance({'wall_s': None}, threads, args))  # no config: unknown
+        # no config, and no cpu_capability or cpu_pins: how the run was pinned is unknown (not this host's kernels)
+        old = {k: v for k, v in dict(status=status, args=args, **provenance({'wall_s': None}, threads, args)).items()
+               if k not in ('cpu_capability', 'cpu_pins')}
     new = {**old, **summarize(records)}
     if new != old:
         results.put(name, new)
@@ -929,16 +932,18 @@ def lr_table(cells, args):
     lrs = sorted({lr for v in by.values() for lr in v})
     val = lambda c: c['final_val_loss'] if c['status'] == 'finished' else math.inf
     best = {v: min(row, key=lambda lr: val(row[lr])) for v, row in by.items()}
-    base = 'baseline' if 'baseline' in by else None
+    best = {v: lr for v, lr in best.items() if math.isfinite(val(by[v][lr]))}  # every rate diverged: none is best
+    base = 'baseline' if 'baseline' in best else None
     lines = ["| variant | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | best lr | vs baseline at its best lr |",
              "|---|" + "---|" * (len(lrs) + 2)]
     for v, row in by.items():
         cell = lambda lr: ('—' if lr not in row else f"diverged at {row[lr]['diverged_at']}"
                            if row[lr]['status'] == 'diverged' else f"{row[lr]['final_val_loss']:.4f}")
         diff = (f"{100 * (val(row[best[v]]) / val(by[base][best[base]]) - 1):+.2f} %"
-                if base and v != base else '—')
+                if base and v != base and v in best else '—')
         so_far = ' (so far)' if any(n.split('-')[0] == v and n not in cells for n in args) else ''  # cells still to run
-        lines.append(f"| {v} | " + " | ".join(cell(lr) for lr in lrs) + f" | {best[v]:g}{so_far} | {diff} |")
+        rate = f"{best[v]:g}" if v in best else 'none (all diverged)'
+        lines.append(f"| {v} | " + " | ".join(cell(lr) for lr in lrs) + f" | {rate}{so_far} | {diff} |")
     return '\n'.join(lines)
 
 
@@ -947,7 +952,8 @@ def ladder_best(cells, args):
     {(size, budget): {variant: (best lr, {seed: cell}, note)}}. The best lr is chosen on seed 1,
     the seed every rate of the grid runs (a diverged cell counts as infinite), so that seeds 2-3
     added at the best rate cannot move it; {seed: cell} holds every seed run there. note is
-    '(so far)' while a seed-1 cell of the variant at that point is still to run, else 'edge' when
+    '(so far)' while a seed-1 cell of the variant at that point is still to run, else 'all diverged'
+    where every seed-1 cell diverged (no rate is best: the tables say none), else 'edge' when
     the best is the smallest or largest rate of a grid of three or more (block 6's two rates are no
     grid). A variant with no seed-1 cell at a point has no entry there."""
     runs = {}
@@ -966,7 +972,9 @@ def ladder_best(cells, args):
             todo = any(n.startswith(f'{v}-{point[0]}-t{point[1]}-') and n.endswith('-s1') and n not in cells
                        for n in args)
             edge = len(by_lr) > 2 and best in (min(by_lr), max(by_lr))
-            out[point][v] = (best, by_lr[best], '(so far)' if todo else 'edge' if edge else '')
+            note = ('(so far)' if todo else 'all diverged' if math.isinf(val(by_lr[best][1])) else
+                    'edge' if edge else '')
+            out[point][v] = (best, by_lr[best], note)
     return out
 
 
@@ -1010,15 +1018,22 @@ def rates_tried(cells, v, size, budget):
 def rate_how(note, n_rates):
     """How a best rate of ladder_best (its note, and the number of rates run at seed 1) was found:
     '' when bracketed by a grid of three or more, 'edge' at that grid's edge, 'so far' while
-    the grid runs; for one or two rates no best at all: 'only rate run', 'better of two'."""
-    how = note if n_rates > 2 or note == '(so far)' else 'only rate run' if n_rates == 1 else 'better of two'
+    the grid runs, 'all diverged' where no rate is best; for one or two rates no best at all: 'only
+    rate run', 'better of two'."""
+    how = (note if n_rates > 2 or note in ('(so far)', 'all diverged') else
+           'only rate run' if n_rates == 1 else 'better of two')
     return how.strip('()')
 
 
+def rate_text(lr, note):
+    """A best rate of ladder_best as a number ('0.008'), or 'none' where every rate diverged."""
+    return 'none' if note == 'all diverged' else f"{lr:g}"
+
+
 def rate_label(lr, note, n_rates):
-    """A best rate as the tables write it: '0.008', or '0.008 (HOW)' (rate_how)."""
+    """A best rate as the tables write it: '0.008', or '0.008 (HOW)' (rate_how); 'none (all diverged)'."""
     how = rate_how(note, n_rates)
-    return f"{lr:g}" + (f" ({how})" if how else '')
+    return rate_text(lr, note) + (f" ({how})" if how else '')
 
 
 def ladder_sizes(cells, args):
@@ -1047,7 +1062,7 @@ def ladder_sizes(cells, args):
                 gap = gap_text(by_seed, base[1]) if base and v != 'baseline' else ''
                 how = rate_how(note, len(rates_tried(cells, v, size, b)))
                 row.append((fmt(mean_sd(done)) if done else 'diverged') +
-                           f" (lr {lr:g}{', ' * bool(how)}{how}, {seeds(by_seed)})" + (f": {gap}" if gap else ''))
+                           f" (lr {rate_text(lr, note)}{', ' * bool(how)}{how}, {seeds(by_seed)})" + (f": {gap}" if gap else ''))
             lines.append(f"| {v}" + (f" ('{cal}')" if cal != '—' else '') + " | " + " | ".join(row) + " |")
         out.append('\n'.join(lines))
     return '\n\n'.join(out)
@@ -1128,7 +1143,7 @@ def ladder_summary(cells, args):
         band = PAPER_BAND.get(label)
         how = rate_how(note, len(rates_tried(cells, v, *point))) or 'bracketed'
         lines.append(f"| {label} | {calibration_of(v, by_seed)} | {size} params · {point[1]} tokens | "
-                     f"{lr:g} ({how}) | {seeds(by_seed)} | "
+                     f"{rate_text(lr, note)} ({how}) | {seeds(by_seed)} | "
                      f"{fmt(mean_sd(done)) if done else 'diverged'} | {gap or '—'} | "
                      f"{f'+{band[0]:g} to +{band[1]:g} %' if band else '—'} |")
     return '\n'.join(lines)

@@ -483,6 +483,29 @@ def test_a_driver_that_reaches_a_cell_another_has_ended_since_it_began_keeps_tha
     assert (out / name / 'train.out').read_text() == output  # not run again
 
 
+def test_a_record_rebuilt_from_a_finished_log_claims_no_pins(tiny_matrix, tmp_path):
+    """A driver stopped between train.py's end and the record: the record rebuilt from the log
+    gave this host's unpinned kernels as cpu_capability (AVX512 on such a host) for a cell that
+    may have run pinned to AVX2; how it ran is unknown, so it says neither that nor its pins."""
+    out, name = tmp_path / 'study', 'all-end-s1'
+    (out / name).mkdir(parents=True)
+    (out / name / 'log.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in FINISHED_LOG))
+    results = study.Results(str(out / 'results.json'))
+    assert study.run_cell(name, tiny_matrix[name], out / name, results, 1, 'avx2') == 'finished'
+    record = json.loads((out / 'results.json').read_text())['cells'][name]
+    assert record['final_val_loss'] == FINISHED_LOG[-1]['final_val_loss'] and record['wall_s'] is None
+    assert 'cpu_capability' not in record and 'cpu_pins' not in record
+    assert record['host_capability'] == torch.backends.cpu.get_cpu_capability()
+
+
+def test_a_file_named_like_a_fixed_temp_name_survives_a_table_write(tmp_path):
+    """study's atomic writes go through a temp file of their own: README.md.tmp (anyone's) is kept."""
+    (tmp_path / 'README.md.tmp').write_text('notes')
+    study.atomic_write('table', str(tmp_path / 'README.md'))
+    assert (tmp_path / 'README.md').read_text() == 'table' and (tmp_path / 'README.md.tmp').read_text() == 'notes'
+    assert sorted(os.listdir(tmp_path)) == ['README.md', 'README.md.tmp']
+
+
 def step(it, loss, phase='warmup'):
     return {'iter': it, 'loss': loss, 'phase': phase, 'hidden_rms': 1.0, 'logit_rms': 2.0, 'radial_cos': -0.01,
             'step_ms': 5.0}
@@ -518,6 +541,42 @@ def test_lr_table_compares_each_variant_at_its_own_best_learning_rate():
     assert rows['baseline'] == '| baseline | 5.3000 | 5.1000 | 5.2000 | — | 0.002 (so far) | — |'
     # internal's best is 4e-3: 5.05 / 5.10 - 1 = -0.98 %
     assert rows['internal'] == '| internal | 5.2500 | 5.1500 | 5.0500 | diverged at 77 | 0.004 | -0.98 % |'
+
+
+def test_where_every_rate_diverged_no_rate_is_called_best():
+    """min() over cells that all count as infinite returned the first rate: the tables named it best
+    ('0.008 (bracketed)', '0.004 | +inf %')."""
+    cells = {'baseline-1M-t9M-lr0.004-s1': {'status': 'finished', 'final_val_loss': 4.1},
+             'baseline-1M-t9M-lr0.008-s1': {'status': 'finished', 'final_val_loss': 4.0},
+             'baseline-1M-t9M-lr0.016-s1': {'status': 'finished', 'final_val_loss': 4.05}}
+    cells |= {f'dyt-1M-t9M-lr{lr}-s1': {'status': 'diverged', 'diverged_at': 50} for lr in ('0.004', '0.008', '0.016')}
+    best = study.ladder_best(cells, {n: [] for n in cells})['1M', '9M']
+    assert best['baseline'][2] == '' and best['dyt'][2] == 'all diverged'
+    assert study.rate_label(best['dyt'][0], 'all diverged', 3) == 'none (all diverged)'
+    assert study.rate_label(best['baseline'][0], '', 3) == '0.008'
+    flat = {n.replace('-1M-t9M', ''): c for n, c in cells.items()}
+    args = {n: [f"--learning_rate={n.split('-lr')[1].split('-')[0]}"] for n in flat}
+    rows = {r.split(' |')[0][2:]: r for r in study.tables(flat, ('lr',), args).splitlines()[2:]}
+    assert rows['dyt'].endswith('| none (all diverged) | — |')
+    assert rows['baseline'].endswith('| 0.008 | — |')
+
+
+def test_a_segment_left_open_never_ends_before_it_began(tmp_path):
+    """A machine lost right after open_segment, before the run wrote anything: the outputs' mtimes
+    are the previous run's, and closing the segment there gave it a negative length (equinor/ert#8171)."""
+    day = 86400
+    (tmp_path / 'train.out').write_text('the previous run')
+    (tmp_path / 'ckpt.pt').write_bytes(b'')
+    t1 = time.time() - day
+    os.utime(tmp_path / 'train.out', (t1, t1))
+    (tmp_path / 'segments.json').write_text(json.dumps([[t1 - 600, t1]]))
+    study.open_segment(str(tmp_path))  # the run that was lost
+    start = json.loads((tmp_path / 'segments.json').read_text())[-1][0]
+    study.open_segment(str(tmp_path))  # the driver again
+    wall = study.close_segment(str(tmp_path))
+    segments = json.loads((tmp_path / 'segments.json').read_text())
+    assert segments[1] == [start, start] and wall['segments'] == 3
+    assert 600 <= wall['wall_s'] < 660
 
 
 def test_a_cells_configuration_is_resolved_as_train_py_resolves_it():
@@ -1315,6 +1374,15 @@ def test_gap_fits_reads_each_sizes_gaps_from_the_results_and_predicts_the_full_p
     plot.main([f'--fit={tmp_path / "results.json"}'])
     out = capsys.readouterr().out
     assert '(no standard error: a point of one seed)' in out and 'nan' not in out
+    # seeds whose gaps agree exactly at every budget: standard errors of 0, where the miss divided by zero
+    for b, loss in (('3M', 4.08), ('9M', 4.04), ('18M', 4.02)):
+        cells.update({f'baseline-1M-t{b}-lr0.008-s{s}': cell(4.0) for s in (1, 2)})
+        cells.update({f'internal_ema-1M-t{b}-lr0.008-s{s}': cell(loss) for s in (1, 2)})
+    (tmp_path / 'results.json').write_text(json.dumps({'cells': cells}))
+    plot.main([f'--fit={tmp_path / "results.json"}'])
+    out = capsys.readouterr().out
+    assert ' points from the prediction' in out
+    assert 'standard errors (the seeds' not in out
 
 
 def test_part_5s_derf_cells_run_on_dyts_grid_moved_up_where_its_edge_won_and_seeds_2_3_at_a_declared_best():
