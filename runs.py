@@ -159,7 +159,9 @@ def check_dataset(folder, block_size, fix):
     """meta.json of a dataset folder after checking it and both .bin files: readable JSON with
     an integer vocab_size, a whole number of uint16 tokens, as many as meta.json's tokens[split]
     where it has them, at least block_size + 1, every id below vocab_size. SystemExit naming the
-    file and the fix otherwise."""
+    file and the fix otherwise. The dict returned always holds tokens (each split's count, measured),
+    which a hand-made meta.json may lack: a checkpoint keeps this dict, and check_same_data needs
+    the counts to tell other files of the same vocabulary from the run's."""
     path = os.path.join(folder, 'meta.json')
     try:
         with open(path) as f:
@@ -170,6 +172,7 @@ def check_dataset(folder, block_size, fix):
     except (OSError, ValueError, KeyError, TypeError, AssertionError):
         raise SystemExit(f"{path} is not a readable dataset description (JSON with an integer vocab_size, and "
                          f"integer token counts if it has any); prepare the dataset again: {fix}") from None
+    measured = {}
     for split in ('train', 'val'):
         path = os.path.join(folder, f'{split}.bin')
         if not os.path.isfile(path):  # a folder: np.memmap's IsADirectoryError below
@@ -178,12 +181,13 @@ def check_dataset(folder, block_size, fix):
         if size % 2:
             raise SystemExit(f"{path} holds {size} bytes, not a whole number of uint16 tokens (truncated?); "
                              f"prepare the dataset again: {fix}")
-        counted = tokens.get(split)  # written by data/common.py
-        if counted is not None and size // 2 != counted:  # e.g. the same ids rewritten as uint32: 0 between every two
-            raise SystemExit(f"{path} holds {size // 2:,} uint16 tokens, but meta.json says {counted:,} (rewritten in "
+        counted = measured[split] = size // 2
+        written = tokens.get(split)  # by data/common.py
+        if written is not None and counted != written:  # e.g. the same ids rewritten as uint32: 0 between every two
+            raise SystemExit(f"{path} holds {counted:,} uint16 tokens, but meta.json says {written:,} (rewritten in "
                              f"another dtype, or files from two preparations?); prepare the dataset again: {fix}")
-        if size // 2 < block_size + 1:  # one window: block_size inputs and their block_size targets
-            raise SystemExit(f"{path} has {size // 2} tokens, fewer than block_size + 1 = {block_size + 1} (one "
+        if counted < block_size + 1:  # one window: block_size inputs and their block_size targets
+            raise SystemExit(f"{path} has {counted} tokens, fewer than block_size + 1 = {block_size + 1} (one "
                              f"window); use a smaller --block_size or more data")
         try:
             data = np.memmap(path, dtype=np.uint16, mode='r')
@@ -194,7 +198,7 @@ def check_dataset(folder, block_size, fix):
         if top >= vocab_size:
             raise SystemExit(f"{path} holds token id {top}, outside meta.json's vocab_size {vocab_size} "
                              f"(files from two preparations?); prepare the dataset again: {fix}")
-    return meta
+    return {**meta, 'tokens': measured}
 
 
 def data_identity(meta):
@@ -212,6 +216,8 @@ def check_same_data(ckpt, folder, meta):
     if ckpt is None or ckpt.get('meta') is None:
         return
     now, was = data_identity(meta), data_identity(ckpt['meta'])
+    if 'tokens' not in was:  # a checkpoint from before check_dataset counted a hand-made meta.json's tokens
+        now.pop('tokens', None)
     if now == was:
         return
     absent = object()  # a key one of the two lacks

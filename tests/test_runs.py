@@ -1253,6 +1253,33 @@ def test_a_resume_on_other_data_is_refused_naming_what_differs_and_the_folder_th
     assert read_log(out)[-1]['final_val_loss'] > 0
 
 
+def test_a_resume_on_other_files_under_a_hand_made_meta_json_is_refused_by_their_token_counts(toy_data, tmp_path,
+                                                                                            monkeypatch):
+    """A meta.json written by hand (conftest's: vocab_size and tokenizer, no token counts) is the same
+    for any files of that vocabulary, so a resume onto other .bin files under a copy of it went on
+    unnoticed. The checkpoint keeps the counts measured from the files; a checkpoint that predates
+    them resumes on its own data as before."""
+    import shutil
+    from test_train import interrupt_at
+    folder, out = toy_data / 'toy', tmp_path / 'run'
+    interrupt_at(6, toy_args(toy_data, out), monkeypatch)  # its checkpoint: iteration 4
+    ckpt, log = (out / 'ckpt.pt').read_bytes(), (out / 'log.jsonl').read_text()
+    other = tmp_path / 'other' / 'toy'
+    shutil.copytree(folder, other)
+    np.tile(np.fromfile(folder / 'train.bin', dtype=np.uint16)[::-1], 2).tofile(other / 'train.bin')  # other text
+    with pytest.raises(SystemExit, match=re.escape(
+            f"--init_from=resume: {other} is not the dataset the run trained on ({folder}): its meta.json differs "
+            "in tokens ({'train': 20000, 'val': 2800} here, {'train': 10000, 'val': 2800} in the run's)")):
+        train.main([f'--out_dir={out}', '--init_from=resume', f'--data_dir={tmp_path / "other"}'])
+    assert (out / 'ckpt.pt').read_bytes() == ckpt and (out / 'log.jsonl').read_text() == log
+    old = torch.load(out / 'ckpt.pt', weights_only=False)
+    assert old['meta'] == {'vocab_size': 64, 'tokenizer': 'toy', 'tokens': {'train': 10_000, 'val': 2_800}}
+    del old['meta']['tokens']  # as written before the counts were kept
+    torch.save(old, out / 'ckpt.pt')
+    train.main([f'--out_dir={out}', '--init_from=resume'])
+    assert read_log(out)[-1]['final_val_loss'] > 0
+
+
 @pytest.mark.parametrize('world, backend', [(1, 'gloo'), (2, 'gloo'), (2, 'nccl')])
 def test_the_final_losses_read_the_device_once_and_sum_every_rank_in_float64_on_the_host(toy_data, monkeypatch,
                                                                                       world, backend):
