@@ -1319,16 +1319,18 @@ def main(argv):
         if ended:
             raise SystemExit('; '.join(ended) + '; then rerun the same command')
     if cfg.table or cfg.readme:
-        results.data = results.read()  # with what another driver has written meanwhile
-        done = {n: results.data['cells'][n] for n in cells if n in results.data['cells']}
-        check_comparable(done, cells)
-        blocks = {b: tables(done, p, cells, results.data['cells']) for b, p in parts.items()}
-        print('\n\n'.join(blocks.values()))
-        if cfg.readme and not done:  # the tables would be emptied: a wrong --study_dir, most likely
-            raise SystemExit(f"no cell of matrix {cfg.matrix!r} has finished in {results.path}: {cfg.readme}'s "
-                             f"tables are kept (is --study_dir the study's folder?)")
-        if cfg.readme:
-            write_between_markers(cfg.readme, blocks)
+        # under results.json's flock: what another driver has written meanwhile, and one driver at a time
+        # reads, fills and replaces cfg.readme (two at once would each drop the other's blocks)
+        with results.held():
+            done = {n: results.data['cells'][n] for n in cells if n in results.data['cells']}
+            check_comparable(done, cells)
+            blocks = {b: tables(done, p, cells, results.data['cells']) for b, p in parts.items()}
+            print('\n\n'.join(blocks.values()))
+            if cfg.readme and not done:  # the tables would be emptied: a wrong --study_dir, most likely
+                raise SystemExit(f"no cell of matrix {cfg.matrix!r} has finished in {results.path}: {cfg.readme}'s "
+                                 f"tables are kept (is --study_dir the study's folder?)")
+            if cfg.readme:
+                write_between_markers(cfg.readme, blocks)
     return results.data
 
 

@@ -1011,6 +1011,41 @@ def test_the_readme_summary_regenerates_from_the_results_file(tmp_path):
         study.main(['--matrix=ladder', f'--study_dir={out}', '--run=False', f'--readme={readme}'])
 
 
+def test_two_drivers_filling_one_markdown_file_at_once_keep_both_blocks(tmp_path, monkeypatch):
+    """--readme reads the file, fills its blocks and replaces it: a second driver that read it
+    meanwhile wrote back the first one's blocks as they were, its update lost. Here driver A (matrix
+    ladder) pauses between its read and its write while driver B (a second matrix) fills its own
+    block: both blocks end filled."""
+    out = tmp_path / 'study'
+    out.mkdir()
+    (out / 'results.json').write_text(json.dumps({'cells': summary_cells()}))
+    monkeypatch.setitem(study.MATRICES, 'copy', study.MATRICES['ladder'])
+    monkeypatch.setitem(study.TABLES, 'copy', study.TABLES['ladder'])
+    monkeypatch.setitem(study.TABLES, 'copy:summary', ('ladder_summary',))
+    docs = tmp_path / 'results.md'
+    docs.write_text('<!-- study:ladder:summary -->\nold\n<!-- /study:ladder:summary -->\n'
+                    '<!-- study:copy:summary -->\nold\n<!-- /study:copy:summary -->\n')
+    real, a_read = study.marked_blocks, threading.Event()
+
+    def slow_for_a(path, names):
+        read = real(path, names)
+        if threading.current_thread().name == 'A' and all(type(t) is str for t in names.values()):  # its write
+            a_read.set()  # A has the file's text: B runs now, and A writes 0.5 s later
+            time.sleep(0.5)
+        return read
+
+    monkeypatch.setattr(study, 'marked_blocks', slow_for_a)
+    a = threading.Thread(name='A', target=study.main,
+                         args=(['--matrix=ladder', f'--study_dir={out}', '--run=False', f'--readme={docs}'],))
+    a.start()
+    assert a_read.wait(30)
+    study.main(['--matrix=copy', f'--study_dir={out}', '--run=False', f'--readme={docs}'])
+    a.join()
+    first, second = docs.read_text().split('<!-- study:copy:summary -->')
+    assert 'old' not in first and 'old' not in second
+    assert first.count('| Internal-Taper | ema |') == second.count('| Internal-Taper | ema |') > 0
+
+
 def test_every_cell_of_every_matrix_names_its_calibration():
     # the default calibration changed from 'end' to the paper's 'ema' (part 3, block 3); pinned, a committed
     # cell keeps the configuration it ran with whatever the default (untapered cells too: their records)
