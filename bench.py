@@ -24,7 +24,7 @@ equal up to a near-tie). TF32 is on only for bf16 (configurator.set_tf32; the JS
 Timing (model.py's decode path, as in GPT.generate): a prefill of --prompt_len tokens (time to first
 token, TTFT), then --new_tokens decode steps; medians of --trials trials (default 15 on CUDA, 5
 elsewhere) after two warm-up trials (the first one's extra time is the compile time), the variants
-interleaved in rounds (A B C D, B C D A, ...). A decode step decodes one token of every sequence:
+interleaved in rounds, each in a fresh seeded order (benchkit.round_orders). A decode step decodes one token of every sequence:
 ms/step = decode time / new_tokens, tokens/s = batch_size · new_tokens / decode time (aggregate),
 tokens/s/seq = tokens/s / batch_size. Each row keeps its trials (ms_per_step_trials, ms_range = their
 [min, max]); speed-up is the ratio of medians, and speedup_interval a 95 % interval (sign test,

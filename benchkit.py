@@ -16,6 +16,7 @@ of the machine in place of the threads (a pinned 1-thread run on 16 cores after 
 import math
 import os
 import platform
+import random
 
 import torch
 
@@ -52,18 +53,28 @@ def calibrated_model(model_args, seed):
     return model
 
 
+def round_orders(names, rounds, seed=0):
+    """The order in which each of `rounds` rounds calls names (a list): a fresh shuffle per round
+    from random.Random(seed), so the same seed gives the same rounds. Not a rotation (A B C D,
+    B C D A, ...): that keeps who follows whom, so whatever a run leaves behind (warm caches, the
+    allocator's free blocks, the clocks) would fall on the same next run in all but one round in
+    len(names), always the baseline's in bench.py --mode=train (google/benchmark#1051 shuffles its
+    repetitions for the same reason)."""
+    rng = random.Random(seed)
+    return [rng.sample(names, len(names)) for _ in range(rounds)]
+
+
 def interleaved(runs, trials, warm_ups, after_warm_up=None):
     """Call each run of `runs` ({name: run() -> result}) warm_ups times, name after name (the first
     calls absorb compilation, recompilation and CUDA-graph recording), then after_warm_up(warm) when
     given, then `trials` rounds that each call every run once, so that a drift of the machine hits
-    every run alike; round k starts at the k-th run (A B C D, B C D A, C D A B, ...), so that no run
-    always follows the same one or comes first. Returns (warm, timed): {name: [results]}."""
+    every run alike, in the orders of round_orders. Returns (warm, timed): {name: [results]}."""
     warm = {n: [run() for _ in range(warm_ups)] for n, run in runs.items()}
     if after_warm_up is not None:
         after_warm_up(warm)
-    names, timed = list(runs), {n: [] for n in runs}
-    for k in range(trials):
-        for n in names[k % len(names):] + names[:k % len(names)]:
+    timed = {n: [] for n in runs}
+    for order in round_orders(list(runs), trials):
+        for n in order:
             timed[n].append(runs[n]())
     return warm, timed
 

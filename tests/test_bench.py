@@ -75,6 +75,23 @@ def test_the_paired_ratio_interval_is_the_sign_tests(n, j, coverage):
     assert (got >= 0.95) == (n >= 6)
 
 
+def test_each_round_calls_every_run_once_in_an_order_that_changes_who_follows_whom():
+    """A rotation (A B C D, B C D A, ...) calls every run once a round, but D precedes A in all rounds but
+    one: whatever D leaves behind always lands on A. interleaved's rounds: each a permutation, the same
+    for the same seed, and over 40 rounds every run is first at times and follows each other run."""
+    names = ['A', 'B', 'C', 'D']
+    orders = benchkit.round_orders(names, 40)
+    assert all(sorted(o) == names for o in orders) and orders == benchkit.round_orders(names, 40)
+    assert benchkit.round_orders(names, 40, seed=1) != orders
+    assert {o[0] for o in orders} == set(names)
+    for n in names:
+        assert {o[o.index(n) - 1] for o in orders if o.index(n)} == set(names) - {n}
+    calls = []
+    warm, timed = benchkit.interleaved({n: lambda n=n: calls.append(n) or len(calls) for n in names}, 40, 2)
+    assert calls == [n for n in names for _ in range(2)] + [n for o in orders for n in o]
+    assert timed == {n: [8 + 4 * k + o.index(n) + 1 for k, o in enumerate(orders)] for n in names}
+
+
 def test_tokens_per_s_counts_every_sequence_of_the_batch(capsys):
     bench.main(TINY + ['--batch_size=3'])
     for r in last_json(capsys)['results']:
@@ -405,7 +422,7 @@ def test_each_row_times_train_pys_own_step_in_the_phase_it_names(monkeypatch, ca
     expected = []
     for compiled in (False, True):
         mine = [r for r in rows if r['compiled'] is compiled]
-        rounds = [mine[(j + k) % len(mine)] for k in range(trials) for j in range(len(mine))]  # A B C, B C A, ...
+        rounds = [mine[j] for order in benchkit.round_orders(list(range(len(mine))), trials) for j in order]
         expected += [r for r in mine for _ in range(bench_train.WARM_UPS)] + rounds  # A A A B B B ..., then rounds
     assert len(steps) == len(expected)
     models = {}
