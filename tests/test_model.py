@@ -22,6 +22,31 @@ def tiny(kind='rmsnorm', taper='all', bias=True, **kw):
                          norm=kind, taper=taper, bias=bias, **kw))
 
 
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_logit_rms_is_the_logits_rms_in_fp32_without_a_copy_of_them(dtype):
+    """The logged logit_rms is sqrt(mean z²) over every position and vocabulary entry (float64 reference
+    here), reduced in fp32 under bf16 autocast too, and made without an elementwise op on the logits:
+    .float().pow(2) made two fp32 copies of them, 3.3 GB each at GPT-2's 16 × 1024 × 50,257, for a
+    logged number (transformers#30860)."""
+    model = tiny(taper='internal')
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2))
+    sizes = []
+
+    class Outputs(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if getattr(func, '__name__', '') in ('pow', 'square', 'mul', 'float', 'to', 'abs'):
+                sizes.append(out.numel() if isinstance(out, torch.Tensor) else 0)
+            return out
+
+    with torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.bfloat16), Outputs():
+        logits, _ = model(x, x)
+    reference = logits.double().pow(2).mean().sqrt()
+    assert model.last_metrics.logit_rms.dtype == torch.float32 and logits.dtype == dtype
+    assert model.last_metrics.logit_rms.double().item() == pytest.approx(reference.item(), rel=1e-6)
+    assert logits.numel() not in sizes
+
+
 def randomize_gains(model, spread=1.0):
     """Gains far from 1, so that skipping γ̃ ← γ (or using the wrong γ) is visible."""
     with torch.no_grad():
